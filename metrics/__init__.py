@@ -1,0 +1,1 @@
+"""Video and audio quality metrics (installed as `mmkv.metrics`)."""

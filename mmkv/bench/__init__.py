@@ -1,0 +1,1 @@
+"""Benchmarks: synthetic codec protocol and GPU kernels."""

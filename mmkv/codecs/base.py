@@ -1,0 +1,315 @@
+"""The codec protocol, typed configs parsed from preset strings, and the registry.
+
+A codec turns `x[..., T, D]` (keys or values of one layer) into an `Encoded` bundle of real packed tensors and back.
+`nbytes` counts every stored byte, so effective bits are measured, never nominal. Codecs are built from a frozen
+`CodecConfig`, parsed from strings such as `octopus:b=3` or `kivi:bits=2,group=32`.
+
+Layout convention: when a codec is built with `num_heads > 1`, dim -3 of its input is the (KV) head axis, so per-head
+state (rotation signs) and per-token cross-head statistics (OScaR's omni-token norm) are well defined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class CodecError(ValueError):
+    """Bad input to a codec or a bad codec configuration; the message says what was expected."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def _parse_value(text: str) -> Any:
+    text = text.strip()
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """A codec name plus its parameters, hashable and printable as a canonical preset string."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def parse(cls, preset: "str | CodecConfig") -> "CodecConfig":
+        """Parse `name[:key=value,key=value]`, resolve aliases and fill defaults from the registered codec."""
+        if isinstance(preset, CodecConfig):
+            return preset
+        if not isinstance(preset, str) or not preset.strip():
+            raise CodecError(f"empty codec preset {preset!r}; expected e.g. 'octopus:b=3' (known: {', '.join(names())})")
+        name, _, rest = preset.strip().partition(":")
+        name = name.strip().lower()
+        codec_cls = get_codec_class(name)
+        raw: dict[str, Any] = {}
+        if rest.strip():
+            for item in rest.split(","):
+                key, eq, value = item.partition("=")
+                key = key.strip().lower()
+                if not eq or not key or not value.strip():
+                    raise CodecError(f"malformed parameter {item!r} in codec preset {preset!r}; expected key=value")
+                key = codec_cls.aliases.get(key, key)
+                if key not in codec_cls.defaults:
+                    allowed = sorted(set(codec_cls.defaults) | set(codec_cls.aliases))
+                    raise CodecError(f"codec {name!r} has no parameter {key!r} (in {preset!r}); allowed: {allowed}")
+                if key in raw:
+                    raise CodecError(f"parameter {key!r} given twice in codec preset {preset!r}")
+                raw[key] = _parse_value(value)
+        params = dict(codec_cls.defaults)
+        params.update(raw)
+        return cls(name=name, params=tuple(sorted(params.items())))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.params:
+            if k == key:
+                return v
+        return default
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self.params:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def replace(self, **changes: Any) -> "CodecConfig":
+        params = dict(self.params)
+        params.update(changes)
+        return CodecConfig(self.name, tuple(sorted(params.items())))
+
+    def __str__(self) -> str:
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in self.params)
+
+    @property
+    def slug(self) -> str:
+        """Filesystem-safe name, e.g. `octopus_b3_joint1_norm32`."""
+        parts = [self.name.replace("-", "")] + [f"{k}{_fmt(v)}" for k, v in self.params]
+        return "_".join(parts).replace(".", "p")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "params": dict(self.params), "preset": str(self)}
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Encoded bundle
+
+
+@dataclass
+class Encoded:
+    """What a codec stores for one span of vectors: packed payload and side information, all real tensors.
+
+    `tensors` holds every stored tensor (and only those); `meta` holds small Python facts needed to decode (original
+    shape, dtype, token count), which a real cache keeps once per layer rather than per unit.
+    """
+
+    codec: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def effective_bits(self) -> float:
+        """Stored bits per encoded value, measured from the bytes really held."""
+        return 8.0 * self.nbytes / max(self.numel, 1)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+    def to(self, device: torch.device | str) -> "Encoded":
+        return dataclasses.replace(self, tensors={k: t.to(device) for k, t in self.tensors.items()})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Seeds
+
+
+def derive_seed(seed: int, *keys: Any) -> int:
+    """A 63-bit seed derived from `seed` and any keys (stable across processes, platforms and Python versions)."""
+    text = repr((int(seed),) + tuple(keys)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def private_generator(seed: int, *keys: Any) -> torch.Generator:
+    """A CPU generator that never touches the global RNG stream."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(derive_seed(seed, *keys))
+    return g
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Codec base class and registry
+
+_REGISTRY: dict[str, type["Codec"]] = {}
+
+
+def register(cls: type["Codec"]) -> type["Codec"]:
+    """Class decorator: make a codec available by its `name`."""
+    if not getattr(cls, "name", None):
+        raise TypeError(f"{cls.__name__} has no codec name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # Importing the package registers every built-in codec.
+    import mmkv.codecs  # noqa: F401
+
+
+def get_codec_class(name: str) -> type["Codec"]:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(names())}") from None
+
+
+def names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def build(
+    config: "str | CodecConfig",
+    *,
+    head_dim: int,
+    num_heads: int = 1,
+    layer: int = 0,
+    seed: int = 0,
+) -> "Codec":
+    """Build a codec instance for one layer (and its `num_heads` KV heads) from a preset or config."""
+    cfg = CodecConfig.parse(config)
+    return get_codec_class(cfg.name)(cfg, head_dim=head_dim, num_heads=num_heads, layer=layer, seed=seed)
+
+
+class Codec:
+    """One codec for one layer's K or V. Subclasses implement `_encode` and `_decode` (the torch reference)."""
+
+    name: ClassVar[str] = ""
+    defaults: ClassVar[dict[str, Any]] = {}
+    aliases: ClassVar[dict[str, str]] = {}
+    requires_pow2: ClassVar[bool] = False
+    has_scores: ClassVar[bool] = False  # True when the paper defines its own score estimator (QJL family)
+    # Codecs whose encoding of a unit depends on other units (QVG) set this; the store then encodes spans jointly.
+    span_codec: ClassVar[bool] = False
+
+    def __init__(self, config: CodecConfig, *, head_dim: int, num_heads: int = 1, layer: int = 0, seed: int = 0):
+        if config.name != self.name:
+            raise CodecError(f"config for {config.name!r} given to codec {self.name!r}")
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise CodecError(f"head_dim must be a positive int, got {head_dim!r}")
+        if self.requires_pow2 and (head_dim & (head_dim - 1)) != 0:
+            raise CodecError(
+                f"codec {self.name!r} needs a power-of-two head dim (its Walsh-Hadamard rotation does); got "
+                f"{head_dim}. Supported: 16, 32, 64, 128, 256, ..."
+            )
+        if num_heads < 1:
+            raise CodecError(f"num_heads must be >= 1, got {num_heads}")
+        self.config = config
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.layer = layer
+        self.seed = seed
+        self.setup()
+
+    # -- to override -------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Validate parameters and build per-instance state (codebooks, rotations)."""
+
+    def _encode(self, x: torch.Tensor) -> Encoded:  # x: float32, validated
+        raise NotImplementedError
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:  # returns float32 of enc.shape
+        raise NotImplementedError
+
+    # -- public protocol ---------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> Encoded:
+        self.check_input(x)
+        enc = self._encode(x.float())
+        enc.shape = tuple(x.shape)
+        enc.dtype = x.dtype
+        enc.codec = str(self.config)
+        return enc
+
+    def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if enc.codec != str(self.config):
+            raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
+        out = self._decode(enc)
+        return out.to(dtype or enc.dtype)
+
+    def nbytes(self, enc: Encoded) -> int:
+        return enc.nbytes
+
+    def effective_bits(self, enc: Encoded) -> float:
+        return enc.effective_bits
+
+    def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
+        """Estimated q·k for every stored key: q[..., Tq, D] -> [..., Tq, T] (fp32). Default: exact on the decode."""
+        k = self._decode(enc)
+        return torch.matmul(q.float(), k.transpose(-1, -2))
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def check_input(self, x: torch.Tensor) -> None:
+        where = f"codec {self.config} (layer {self.layer})"
+        if not isinstance(x, torch.Tensor):
+            raise CodecError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise CodecError(f"{where}: expected a float tensor (float32/float16/bfloat16), got {x.dtype}")
+        if x.dim() < 2:
+            raise CodecError(f"{where}: expected shape [..., T, D] with at least 2 dims, got {tuple(x.shape)}")
+        if x.shape[-1] != self.head_dim:
+            raise CodecError(f"{where}: head dim {x.shape[-1]} does not match the codec's head_dim {self.head_dim}")
+        if self.num_heads > 1 and (x.dim() < 3 or x.shape[-3] != self.num_heads):
+            raise CodecError(
+                f"{where}: built for {self.num_heads} heads, expected shape [..., {self.num_heads}, T, "
+                f"{self.head_dim}], got {tuple(x.shape)}"
+            )
+        if x.numel() and not torch.isfinite(x).all():
+            bad = int((~torch.isfinite(x)).sum())
+            raise CodecError(f"{where}: input has {bad} NaN/Inf values of {x.numel()}; refusing to encode them")
+
+    def check_bits(self, bits: Any, allowed: tuple[int, ...], key: str = "bits") -> int:
+        if not isinstance(bits, int) or isinstance(bits, bool) or bits not in allowed:
+            raise CodecError(f"codec {self.name!r}: unsupported {key}={bits!r}; supported: {list(allowed)}")
+        return bits
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config}, head_dim={self.head_dim}, num_heads={self.num_heads})"

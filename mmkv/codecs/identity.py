@@ -1,0 +1,39 @@
+"""The identity codec: stores the tensor as it is, in its own dtype (bf16 for the bf16 models on GPU).
+
+It is the byte-exact baseline: through the cache it must reproduce the native rollout bit for bit, which a codec that
+rounded fp32 CPU activations to bf16 could not. Use `identity:dtype=bf16` to force bf16 storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmkv.codecs.base import Codec, CodecError, Encoded, register
+
+_DTYPES = {"native": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@register
+class IdentityCodec(Codec):
+    name = "identity"
+    defaults = {"dtype": "native"}
+
+    def setup(self) -> None:
+        if self.config["dtype"] not in _DTYPES:
+            raise CodecError(f"identity: dtype must be one of {sorted(_DTYPES)}, got {self.config['dtype']!r}")
+        self.store_dtype = _DTYPES[self.config["dtype"]]
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        self.check_input(x)
+        stored = x.detach().to(self.store_dtype or x.dtype).contiguous()
+        if stored.data_ptr() == x.data_ptr():
+            stored = stored.clone()
+        return Encoded(str(self.config), tuple(x.shape), x.dtype, {"x": stored})
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        return enc.tensors["x"]
+
+    def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if enc.codec != str(self.config):
+            raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
+        return enc.tensors["x"].to(dtype or enc.dtype)

@@ -1,0 +1,55 @@
+"""The one bit-packing module: fixed-width codes as a dense little-endian bit stream along the last dim.
+
+Code i of a row occupies bits [i*w, (i+1)*w) of the row's byte string, least significant bit first. For w in
+{1, 2, 4, 8} this is the usual "8/w codes per byte, lowest bits first" layout; for other widths a code spans at most two
+bytes when w <= 8, so a kernel reads a 16-bit window at byte (i*w) >> 3 and shifts by (i*w) & 7. Rows are padded to a
+whole byte only at their end, and that padding is stored and counted like any other byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmkv.codecs.base import CodecError
+
+
+def packed_nbytes(n: int, width: int) -> int:
+    """Bytes for n codes of `width` bits."""
+    return (n * width + 7) // 8
+
+
+def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """codes[..., N] (integers in [0, 2**width)) -> uint8[..., ceil(N*width/8)]."""
+    if not 1 <= width <= 16:
+        raise CodecError(f"pack width must be in 1..16 bits, got {width}")
+    codes = codes.to(torch.int64)
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << width)):
+        raise CodecError(f"codes out of range for {width}-bit packing: [{int(codes.min())}, {int(codes.max())}]")
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    if width == 8:
+        return codes.to(torch.uint8)
+    shifts = torch.arange(width, device=codes.device, dtype=torch.int64)
+    bits = ((codes.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(*lead, n * width)
+    nbytes = packed_nbytes(n, width)
+    pad = nbytes * 8 - n * width
+    if pad:
+        bits = torch.nn.functional.pad(bits, (0, pad))
+    bits = bits.reshape(*lead, nbytes, 8).to(torch.int64)
+    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int64))
+    return (bits * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """uint8[..., M] -> int64[..., n]; the inverse of `pack_bits`."""
+    if packed.dtype != torch.uint8:
+        raise CodecError(f"packed codes must be uint8, got {packed.dtype}")
+    if packed.shape[-1] != packed_nbytes(n, width):
+        raise CodecError(f"{packed.shape[-1]} bytes cannot hold exactly {n} codes of {width} bits")
+    if width == 8:
+        return packed.to(torch.int64)
+    lead = packed.shape[:-1]
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64)
+    bits = ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)[..., : n * width]
+    bits = bits.reshape(*lead, n, width)
+    weights = (1 << torch.arange(width, device=packed.device, dtype=torch.int64))
+    return (bits * weights).sum(-1)

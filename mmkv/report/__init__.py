@@ -1,0 +1,1 @@
+"""Tables, plots and the HTML gallery from run folders."""

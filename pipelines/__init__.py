@@ -1,0 +1,1 @@
+"""Video and audio generators with compressed KV caches (installed as `mmkv.pipelines`)."""

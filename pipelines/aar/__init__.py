@@ -1,0 +1,1 @@
+"""AAR next-scale audio generator and SAT tokenizer."""

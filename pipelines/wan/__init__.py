@@ -1,0 +1,1 @@
+"""Causal Wan2.1 DiT (CausVid, Causal Forcing)."""
