@@ -287,6 +287,13 @@ class Codec:
         return torch.matmul(q.float(), k.transpose(-1, -2))
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    @classmethod
+    def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
+        """The V codec this (key) codec pairs with: by default per-token groups of `group` channels, asymmetric
+        min-max at the key's nominal bits (codecs.md A9). Codecs with their own V recipe (KIVI, OScaR) override."""
+        bits = config.get("bits", config.get("b", 4))
+        return CodecConfig.parse(f"groupquant:bits={int(round(float(bits)))},group={group}")
+
     def check_input(self, x: torch.Tensor) -> None:
         where = f"codec {self.config} (layer {self.layer})"
         if not isinstance(x, torch.Tensor):
@@ -313,3 +320,25 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config}, head_dim={self.head_dim}, num_heads={self.num_heads})"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# K/V pairing
+
+
+def kv_configs(preset: "str | CodecConfig", value_group: int = 32) -> tuple[CodecConfig, CodecConfig]:
+    """The (K, V) codec configs a rollout preset stands for.
+
+    `KEY/VALUE` names both explicitly (`octopus:b=2/groupquant:bits=2,group=16`); a single preset names the key codec
+    and the value codec it pairs with in its paper's recipe (`Codec.value_config`), with `value_group` channels per
+    value group (32 for video, 16 for audio, per the OCTOPUS seed).
+    """
+    if isinstance(preset, CodecConfig):
+        k = preset
+        return k, get_codec_class(k.name).value_config(k, value_group)
+    text = preset.strip()
+    if "/" in text:
+        k_text, _, v_text = text.partition("/")
+        return CodecConfig.parse(k_text), CodecConfig.parse(v_text)
+    k = CodecConfig.parse(text)
+    return k, get_codec_class(k.name).value_config(k, value_group)

@@ -37,3 +37,6 @@ class IdentityCodec(Codec):
         if enc.codec != str(self.config):
             raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
         return enc.tensors["x"].to(dtype or enc.dtype)
+
+
+IdentityCodec.value_config = classmethod(lambda cls, config, group=32: config)  # V stored as K: unchanged
