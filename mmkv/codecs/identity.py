@@ -18,6 +18,10 @@ class IdentityCodec(Codec):
     name = "identity"
     defaults = {"dtype": "native"}
 
+    @classmethod
+    def value_config(cls, config, group: int = 32):
+        return config  # V is stored like K, unchanged
+
     def setup(self) -> None:
         if self.config["dtype"] not in _DTYPES:
             raise CodecError(f"identity: dtype must be one of {sorted(_DTYPES)}, got {self.config['dtype']!r}")
@@ -37,6 +41,3 @@ class IdentityCodec(Codec):
         if enc.codec != str(self.config):
             raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
         return enc.tensors["x"].to(dtype or enc.dtype)
-
-
-IdentityCodec.value_config = classmethod(lambda cls, config, group=32: config)  # V stored as K: unchanged
