@@ -1,0 +1,20 @@
+# The two commands of the README's quick start. Both create .venv (Python 3.11) and install mmkv into it first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.mmkv-installed
+
+.PHONY: demo test install
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mmkv demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
