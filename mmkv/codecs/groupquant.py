@@ -1,0 +1,178 @@
+"""Asymmetric min-max group quantisation: the one quantiser the min-max family (groupquant, KIVI, OScaR) shares, and
+the `groupquant` value codec the rotation codecs pair with.
+
+groupquant (codecs.md A9, the `amirzandieh/QJL` `triton_quantize_and_pack_along_last_dim` recipe, section 4.2): per
+token, groups of `group` consecutive channels along D, asymmetric min-max at b bits, fp16 scale and minimum:
+s = (max - min) / (2^b - 1), q = round(clamp((x - min) / s, 0, 2^b - 1)), x^ = q s + min. Cost b + 32/g bits a value.
+
+Groups run along one axis of the unit being encoded: channels within a token ("token" axis, V-style) or tokens within a
+channel ("channel" axis, KIVI/OScaR K). When the axis length is not a multiple of the group, the last group is ragged
+(shorter) and still stores its own scale and offset, which are counted. Codes of a whole unit are one dense bit row per
+leading index (`mmkv.codecs.packing`), token-major: code (t, j) sits at bits [(t D + j) b, (t D + j + 1) b).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmkv.codecs.base import Codec, CodecError, Encoded, register
+from mmkv.codecs.packing import pack_bits, unpack_bits
+
+META_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+ZERO_POINTS = ("min", "rounded")  # KIVI/QJL float minimum; OScaR/QuaRot rounded integer zero point (oscar.md §9 #8)
+
+
+def num_groups(n: int, group: int) -> int:
+    return -(-n // group)
+
+
+def _expand(p: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    """Per-group parameters [..., ng] -> per-element [..., n] (the ragged last group is cut short)."""
+    return p.repeat_interleave(group, dim=-1)[..., :n]
+
+
+def group_min_max(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of consecutive groups of `group` elements along the last dim, the last group possibly ragged."""
+    n = x.shape[-1]
+    full = n // group
+    mins, maxs = [], []
+    if full:
+        main = x[..., : full * group].reshape(*x.shape[:-1], full, group)
+        mins.append(main.amin(-1))
+        maxs.append(main.amax(-1))
+    if n % group:
+        tail = x[..., full * group:]
+        mins.append(tail.amin(-1, keepdim=True))
+        maxs.append(tail.amax(-1, keepdim=True))
+    if not mins:  # an empty unit
+        empty = x.new_empty(*x.shape[:-1], 0)
+        return empty, empty
+    return torch.cat(mins, -1), torch.cat(maxs, -1)
+
+
+def quantize_groups(
+    x: torch.Tensor,
+    group: int,
+    bits: int,
+    *,
+    zero_point: str = "min",
+    meta_dtype: torch.dtype = torch.float16,
+    where: str = "min-max quantiser",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise groups along the last dim. Returns (codes int64 [..., n], scale [..., ng], offset [..., ng]).
+
+    Decoding is x^ = q * scale + offset for both conventions: offset = min (KIVI, QJL) or offset = -z s with the
+    integer zero point z = round(-min / s) (OScaR's `qpack.h::compute_affine_asym_params`, oscar.md §2.6). A zero-range
+    group stores scale 0 and offset = min, so it decodes exactly (oscar.md §9 #10; KIVI has no guard and would divide by
+    zero). Codes are computed against the stored (rounded) scale and offset, i.e. against the grid the decoder uses.
+    """
+    if zero_point not in ZERO_POINTS:
+        raise CodecError(f"{where}: zero_point must be one of {ZERO_POINTS}, got {zero_point!r}")
+    levels = (1 << bits) - 1
+    mn, mx = group_min_max(x, group)
+    scale = ((mx - mn) / levels).to(meta_dtype)
+    s = scale.float()
+    if zero_point == "min":
+        offset = mn.to(meta_dtype)
+    else:
+        z = torch.round(-mn / torch.where(s > 0, s, torch.ones_like(s)))
+        offset = torch.where(s > 0, -z * s, mn).to(meta_dtype)
+    if scale.numel() and not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+        big = float(torch.maximum(mx.abs(), mn.abs()).max())
+        raise CodecError(
+            f"{where}: group scale/offset overflow {meta_dtype} (largest |value| {big:.4g}); use meta=fp32 for inputs "
+            f"beyond the fp16 range"
+        )
+    n = x.shape[-1]
+    s_el = _expand(s, group, n)
+    o_el = _expand(offset.float(), group, n)
+    safe = torch.where(s_el > 0, s_el, torch.ones_like(s_el))
+    y = torch.where(s_el > 0, (x - o_el) / safe, torch.zeros_like(x))
+    # KIVI's order (clamp, then round); for integer bounds it equals round-then-clamp (OScaR's order).
+    codes = y.clamp(0, levels).round().to(torch.int64)
+    return codes, scale, offset
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> torch.Tensor:
+    """x^ = q * scale + offset per group, in fp32."""
+    n = codes.shape[-1]
+    return codes.to(torch.float32) * _expand(scale.float(), group, n) + _expand(offset.float(), group, n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A whole unit x[..., T, D], grouped along channels ("token") or along tokens ("channel").
+
+AXES = ("token", "channel")
+
+
+def encode_minmax(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    axis: str,
+    zero_point: str,
+    meta_dtype: torch.dtype,
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """Packed codes (token-major) plus per-group scale and offset.
+
+    axis="token": per token, groups of `group` channels; scale/offset [..., T, ceil(D/G)].
+    axis="channel": per channel, groups of `group` tokens (KIVI K layout (B, H, d, T/G)); scale/offset [..., D, ceil(T/G)].
+    """
+    *lead, t, d = x.shape
+    if axis == "token":
+        codes, scale, offset = quantize_groups(x, group, bits, zero_point=zero_point, meta_dtype=meta_dtype, where=where)
+    elif axis == "channel":
+        codes, scale, offset = quantize_groups(
+            x.transpose(-1, -2), group, bits, zero_point=zero_point, meta_dtype=meta_dtype, where=where
+        )
+        codes = codes.transpose(-1, -2)
+    else:
+        raise CodecError(f"{where}: axis must be one of {AXES}, got {axis!r}")
+    packed = pack_bits(codes.reshape(*lead, t * d), bits)
+    return {"codes": packed, "scale": scale.contiguous(), "offset": offset.contiguous()}
+
+
+def decode_minmax(tensors: dict[str, torch.Tensor], shape: tuple[int, ...], *, bits: int, group: int, axis: str) -> torch.Tensor:
+    *lead, t, d = shape
+    codes = unpack_bits(tensors["codes"], bits, t * d).reshape(*lead, t, d)
+    if axis == "token":
+        return dequantize_groups(codes, tensors["scale"], tensors["offset"], group)
+    return dequantize_groups(codes.transpose(-1, -2), tensors["scale"], tensors["offset"], group).transpose(-1, -2)
+
+
+def check_group(codec: Codec, group) -> int:
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise CodecError(f"codec {codec.name!r}: group must be a positive int (e.g. 16 or 32), got {group!r}")
+    return group
+
+
+def check_meta(codec: Codec, meta) -> torch.dtype:
+    if meta not in META_DTYPES:
+        raise CodecError(f"codec {codec.name!r}: meta must be one of {sorted(META_DTYPES)}, got {meta!r}")
+    return META_DTYPES[meta]
+
+
+@register
+class GroupQuantCodec(Codec):
+    """Per-token groups of `group` channels, asymmetric min-max, fp16 (scale, min): b + 32/g bits a value (A9)."""
+
+    name = "groupquant"
+    defaults = {"bits": 2, "group": 32, "meta": "fp16"}
+    aliases = {"b": "bits", "g": "group"}
+
+    def setup(self) -> None:
+        self.bits = self.check_bits(self.config["bits"], tuple(range(1, 9)))
+        self.group = check_group(self, self.config["group"])
+        self.meta_dtype = check_meta(self, self.config["meta"])
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        tensors = encode_minmax(
+            x, bits=self.bits, group=self.group, axis="token", zero_point="min", meta_dtype=self.meta_dtype,
+            where=f"codec {self.config} (layer {self.layer})",
+        )
+        return Encoded(self.name, tuple(x.shape), x.dtype, tensors)
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        return decode_minmax(enc.tensors, enc.shape, bits=self.bits, group=self.group, axis="token")
