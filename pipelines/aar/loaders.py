@@ -1,0 +1,293 @@
+"""Load the released AAR / SAT checkpoints (or tiny ones in the same format) from a local directory, strictly.
+
+Container format (audio.md §6.1): `torch.load(path)['model_state_dict']` for AAR and `['generator_state_dict']` for
+SAT, keys possibly prefixed `module.` (saved from DDP); a bare state dict and `.safetensors` files are accepted too.
+Pickles are read with `weights_only=True`; only an explicit `trusted=True` (CLI `--trusted-checkpoint`) falls back to
+full unpickling, for files that pickle numpy scalars.
+
+Weight norm: the model keeps the legacy `weight_g` / `weight_v` names; files written with the modern
+parametrization (`parametrizations.weight.original0/1`) or with folded `weight`s are mapped onto them.
+
+The architecture is read off the state dict (depth from the block count, the scale schedule from `lvl_1L`, widths
+from shapes), so one loader serves the released models and the tiny test models; the strict load then checks every
+key and shape, and a mismatch raises an error that lists the missing, unexpected and mis-shaped keys.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmkv.pipelines.aar.model import AAR, AARConfig, build_aar
+from mmkv.pipelines.aar.sat import SAT, SATConfig, build_sat
+
+AAR_CONTAINER_KEY = "model_state_dict"
+SAT_CONTAINER_KEY = "generator_state_dict"
+AAR_RELEASED_NAME = "AAR_d16_bs2048.pth"
+SAT_RELEASED_NAME = "SAT_d128_lat128.pth"
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors")
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not match the model; the message names the file and the keys."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_state_dict(path: str | os.PathLike, container_key: str, *, trusted: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict inside a checkpoint file: `obj[container_key]` or a bare state dict, `module.` stripped."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            obj: Any = load_file(str(path), device="cpu")
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"checkpoint {path}: not a readable safetensors file ({err})") from None
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=not trusted)
+        except Exception as err:
+            hint = "" if trusted else (
+                " If the file is from a source you trust and pickles non-tensor objects (e.g. numpy scalars), "
+                "pass --trusted-checkpoint to unpickle it fully."
+            )
+            raise CheckpointError(f"checkpoint {path}: cannot be loaded ({type(err).__name__}: {err}).{hint}") from None
+    if isinstance(obj, dict) and container_key in obj:
+        obj = obj[container_key]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        top = sorted(obj)[:12] if isinstance(obj, dict) else type(obj).__name__
+        raise CheckpointError(
+            f"checkpoint {path}: expected a dict with {container_key!r} or a bare state dict of tensors; found {top}"
+        )
+    return strip_prefixes(obj)
+
+
+def strip_prefixes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        for p in _PREFIXES:
+            if k.startswith(p):
+                k = k[len(p):]
+        out[k] = v
+    return out
+
+
+def map_weight_norm_keys(sd: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """Map modern-parametrization and folded weight-norm keys onto the legacy `weight_g` / `weight_v` names."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        if k.endswith(".parametrizations.weight.original0"):
+            out[k[: -len("parametrizations.weight.original0")] + "weight_g"] = v
+        elif k.endswith(".parametrizations.weight.original1"):
+            out[k[: -len("parametrizations.weight.original1")] + "weight_v"] = v
+        elif k.endswith(".weight") and k not in expected and (k[:-6] + "weight_g") in expected:
+            # A folded weight w: g = ||w|| over every dim but 0, v = w reproduces it exactly.
+            out[k[:-6] + "weight_g"] = v.norm(dim=tuple(range(1, v.dim())), keepdim=True)
+            out[k[:-6] + "weight_v"] = v
+        else:
+            out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Architecture from the state dict
+
+
+def _need(sd: dict[str, torch.Tensor], key: str, what: str, path: Any) -> torch.Tensor:
+    if key not in sd:
+        raise CheckpointError(f"{what} checkpoint {path}: key {key!r} is missing, cannot read the architecture")
+    return sd[key]
+
+
+def infer_aar_config(sd: dict[str, torch.Tensor], path: Any = "<state dict>") -> AARConfig:
+    blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
+    if not blocks:
+        raise CheckpointError(f"AAR checkpoint {path}: no 'blocks.N.' keys; is this an AAR model_state_dict?")
+    depth = max(blocks) + 1
+    word = _need(sd, "word_embed.weight", "AAR", path)
+    lvl = _need(sd, "lvl_1L", "AAR", path).reshape(-1).tolist()
+    patch_nums = tuple(lvl.count(i) for i in range(int(max(lvl)) + 1))
+    if not patch_nums or 0 in patch_nums or lvl != sorted(lvl):
+        raise CheckpointError(f"AAR checkpoint {path}: buffer lvl_1L is not a valid level schedule")
+    fc1 = _need(sd, "blocks.0.ffn.fc1.weight", "AAR", path)
+    cfg = AARConfig(
+        depth=depth,
+        patch_nums=patch_nums,
+        cvae=int(word.shape[1]),
+        vocab_size=int(_need(sd, "head.weight", "AAR", path).shape[0]),
+        input_dim=int(_need(sd, "class_emb.fc1.weight", "AAR", path).shape[1]),
+        mlp_ratio=fc1.shape[0] / fc1.shape[1],
+        cos_attn="blocks.0.attn.scale_mul_1H11" in sd,
+    )
+    if word.shape[0] != cfg.embed_dim:
+        raise CheckpointError(
+            f"AAR checkpoint {path}: width {word.shape[0]} is not 64 x depth ({depth} blocks); "
+            f"the AAR builder ties embed_dim = 64 * depth"
+        )
+    return cfg
+
+
+def infer_sat_config(sd: dict[str, torch.Tensor], multi_scale: tuple[int, ...], path: Any = "<state dict>") -> SATConfig:
+    layers = {int(m.group(1)) for k in sd if (m := re.match(r"quantizer\.vq\.layers\.(\d+)\._codebook\.", k))}
+    if not layers:
+        raise CheckpointError(f"SAT checkpoint {path}: no quantizer codebooks; is this a SAT generator_state_dict?")
+    if len(layers) != len(multi_scale):
+        raise CheckpointError(
+            f"SAT checkpoint {path} has {len(layers)} codebooks (scales) but the AAR schedule has {len(multi_scale)} "
+            f"scales {list(multi_scale)}; the tokenizer and the transformer do not belong together"
+        )
+    embed = _need(sd, "quantizer.vq.layers.0._codebook.embed", "SAT", path)
+    phis = sorted({int(m.group(1)) for k in sd if (m := re.match(r"quantizer\.vq\.quant_resi\.qresi_ls\.(\d+)\.", k))})
+    phi_kernel = tuple(int(sd[f"quantizer.vq.quant_resi.qresi_ls.{i}.weight"].shape[-1]) for i in phis)
+    first = _need(sd, "encoder.model.0.conv.conv.weight_v", "SAT", path)
+    convtr = sorted(
+        {int(m.group(1)) for k in sd if (m := re.match(r"decoder\.model\.(\d+)\.convtr\.convtr\.weight_v$", k))}
+    )
+    ratios = tuple(int(sd[f"decoder.model.{i}.convtr.convtr.weight_v"].shape[-1]) // 2 for i in convtr)
+    n_res = sum(1 for k in sd if re.match(r"encoder\.model\.\d+\.shortcut\.conv\.conv\.weight_v$", k))
+    lstm = sum(1 for k in sd if re.match(r"encoder\.model\.\d+\.lstm\.weight_ih_l\d+$", k))
+    enc_out = [k for k in sd if re.match(r"encoder\.model\.\d+\.conv\.conv\.weight_v$", k)]
+    last = max(enc_out, key=lambda k: int(k.split(".")[2]))
+    if not ratios or n_res % len(ratios):
+        raise CheckpointError(f"SAT checkpoint {path}: cannot read the SEANet layout (ratios {ratios}, {n_res} res blocks)")
+    return SATConfig(
+        multi_scale=tuple(multi_scale),
+        phi_kernel=phi_kernel,
+        dimension=int(sd[last].shape[0]),
+        latent_dim=int(embed.shape[1]),
+        ratios=ratios,
+        n_residual_layers=n_res // len(ratios),
+        lstm=lstm,
+        n_filters=int(first.shape[0]),
+        channels=int(first.shape[1]),
+        bins=int(embed.shape[0]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Strict loading
+
+
+def _fmt_keys(keys: list[str], limit: int = 25) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str, path: Any) -> None:
+    """`load_state_dict(strict=True, assign=True)` after checking keys and shapes ourselves for a readable error."""
+    expected = model.state_dict()
+    sd = map_weight_norm_keys(sd, set(expected))
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    shapes = sorted(
+        f"{k} (file {tuple(sd[k].shape)}, model {tuple(expected[k].shape)})"
+        for k in set(sd) & set(expected) if tuple(sd[k].shape) != tuple(expected[k].shape)
+    )
+    if missing or unexpected or shapes:
+        parts = [f"{what} checkpoint {path} does not match the model"]
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {_fmt_keys(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {_fmt_keys(unexpected)}")
+        if shapes:
+            parts.append(f"shape mismatches ({len(shapes)}): {_fmt_keys(shapes)}")
+        raise CheckpointError("; ".join(parts))
+    # Keep the stored dtypes of integer buffers (lvl_1L) but make float tensors fp32: the reference is fp32.
+    sd = {k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True, assign=True)
+
+
+def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *, device: torch.device | str = "cpu",
+             trusted: bool = False) -> AAR:
+    sd = read_state_dict(path, AAR_CONTAINER_KEY, trusted=trusted)
+    cfg = config or infer_aar_config(sd, path)
+    model = build_aar(cfg, "meta")
+    load_strict(model, sd, "AAR", path)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_sat(path: str | os.PathLike, config: SATConfig | None = None, *, multi_scale: tuple[int, ...] | None = None,
+             device: torch.device | str = "cpu", trusted: bool = False) -> SAT:
+    sd = read_state_dict(path, SAT_CONTAINER_KEY, trusted=trusted)
+    if config is None:
+        if multi_scale is None:
+            raise CheckpointError(f"SAT checkpoint {path}: the scale schedule is not stored in the SAT; pass the AAR's")
+        config = infer_sat_config(map_weight_norm_keys(sd, _sat_keys_hint(sd)), multi_scale, path)
+    model = build_sat(config, "meta")
+    load_strict(model, sd, "SAT", path)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _sat_keys_hint(sd: dict[str, torch.Tensor]) -> set[str]:
+    # Folded `….conv.weight` keys of a SAT are weight-normed convs: name their legacy keys so they get mapped.
+    return {k[:-6] + "weight_g" for k in sd if re.search(r"\.(conv|convtr)\.(conv|convtr)\.weight$", k)}
+
+
+def save_released_format(model: AAR | SAT, path: str | os.PathLike, *, prefix: str = "", bare: bool = False) -> Path:
+    """Write a checkpoint the way the official training scripts do (tests and tiny models)."""
+    key = AAR_CONTAINER_KEY if isinstance(model, AAR) else SAT_CONTAINER_KEY
+    sd = {prefix + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(sd if bare else {key: sd}, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A model directory
+
+
+def find_checkpoints(directory: str | os.PathLike, sat: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    """(AAR file, SAT file) in `directory`: the released names if present, else the one `AAR*` / `SAT*` file."""
+    d = Path(directory)
+    if d.is_file():
+        raise CheckpointError(f"--aar expects a directory holding {AAR_RELEASED_NAME} and {SAT_RELEASED_NAME}; got file {d}")
+    if not d.is_dir():
+        raise CheckpointError(f"AAR model directory {d} does not exist")
+
+    def pick(released: str, stem: str) -> Path:
+        if (d / released).is_file():
+            return d / released
+        found = sorted(p for p in d.iterdir() if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES
+                       and p.name.upper().startswith(stem))
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise CheckpointError(f"no {stem} checkpoint in {d} (expected {released} or one {stem}*.pth/.safetensors)")
+        raise CheckpointError(f"several {stem} checkpoints in {d}: {[p.name for p in found]}; keep one or rename")
+
+    return pick(AAR_RELEASED_NAME, "AAR"), (Path(sat) if sat else pick(SAT_RELEASED_NAME, "SAT"))
+
+
+def load_models(directory: str | os.PathLike, *, sat: str | os.PathLike | None = None,
+                device: torch.device | str = "cpu", trusted: bool = False) -> tuple[AAR, SAT, dict[str, Any]]:
+    """Load the AAR and its SAT from a directory and check that they belong together."""
+    aar_path, sat_path = find_checkpoints(directory, sat)
+    aar = load_aar(aar_path, device=device, trusted=trusted)
+    sat_model = load_sat(sat_path, multi_scale=aar.patch_nums, device=device, trusted=trusted)
+    check_pair(aar, sat_model, aar_path, sat_path)
+    info = {"aar_path": str(aar_path), "sat_path": str(sat_path),
+            "aar_config": aar.config.to_dict(), "sat_config": sat_model.config.to_dict()}
+    return aar, sat_model, info
+
+
+def check_pair(aar: AAR, sat: SAT, aar_path: Any = "AAR", sat_path: Any = "SAT") -> None:
+    problems = []
+    if aar.Cvae != sat.latent_dim:
+        problems.append(f"AAR input width {aar.Cvae} != SAT latent_dim {sat.latent_dim}")
+    if aar.V != sat.codebook_size:
+        problems.append(f"AAR vocabulary {aar.V} != SAT codebook size {sat.codebook_size}")
+    if tuple(aar.patch_nums) != tuple(sat.config.multi_scale):
+        problems.append(f"AAR scales {list(aar.patch_nums)} != SAT scales {list(sat.config.multi_scale)}")
+    if problems:
+        raise CheckpointError(f"{aar_path} and {sat_path} do not belong together: " + "; ".join(problems))
