@@ -1,0 +1,251 @@
+"""Attention of the current queries over [encoded past | native window | current block].
+
+The store (`mmkv.cache`) hands this module the layer's past as a list of `Segment`s in time order: native K/V, or K/V
+encoded by the layer's codecs (one unit each, or one span for span codecs). Three ways to attend, picked by `attend`:
+
+* **decode + SDPA** (the reference): decode every encoded segment to the store dtype (bf16 on GPU, the model's dtype
+  on CPU), gather [past | current] into one K and one V buffer, and make ONE `scaled_dot_product_attention` call. The
+  native store takes the same path with nothing to decode, so the identity codec is bit-exact with the native cache
+  (video.md §4.4 invariant 1).
+* **score estimator**: a key codec with `has_scores` (QJL family) defines its own unbiased estimate of q·k, which is
+  what its paper evaluates. Each encoded segment is attended with `codec.scores(q, enc)` and the decoded V; native
+  segments and the current block exactly; the partial results are merged exactly through log-sum-exp.
+* **fused kernel** (the seam for `mmkv.kernels`): on CUDA, when `mmkv.kernels.attention_kernel(k_config, v_config)`
+  returns a callable, it attends the encoded segments straight from their payload and returns (out, lse); the native
+  part is attended by the torch reference and the two are merged through log-sum-exp.
+
+Memory: the reference decodes the whole past of ONE layer on every call into a scratch buffer that is freed when the
+call returns, so extra memory is one layer's past in the store dtype (plus one segment's decode), never the whole
+model's. Caching decoded tensors across the 3-5 denoising calls of a video block would be faster but costs the native
+footprint again, which is what the codec is meant to save (ecosystem.md D4, qvg.md §8.3).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mmkv.codecs.base import Codec, Encoded
+
+BACKENDS = ("auto", "reference", "decode")
+
+# Rows of queries attended at once on the explicit (score / log-sum-exp) path, to bound the [Tq, Tk] score scratch.
+_Q_CHUNK = 2048
+
+
+class AttentionError(ValueError):
+    """Bad input to an attention call; the message says what was expected."""
+
+
+@dataclass
+class Segment:
+    """A run of stored tokens of one layer, in time order: native K/V or K/V encoded by the layer's codecs.
+
+    `skip_tokens` leading tokens of an encoded span are no longer visible (a rolling window evicted their units but the
+    span still holds them, qvg.md §4.1); they are decoded and dropped.
+    """
+
+    k: torch.Tensor | None = None  # [B, H, T, D] native
+    v: torch.Tensor | None = None
+    k_enc: Encoded | None = None
+    v_enc: Encoded | None = None
+    k_codec: Codec | None = None
+    v_codec: Codec | None = None
+    skip_tokens: int = 0
+
+    @property
+    def encoded(self) -> bool:
+        return self.k_enc is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Visible tokens."""
+        if self.encoded:
+            return self.k_enc.shape[-2] - self.skip_tokens
+        return self.k.shape[-2]
+
+    def decode(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the visible tokens in `dtype` (native segments are returned as stored when the dtype matches)."""
+        if not self.encoded:
+            return self.k.to(dtype), self.v.to(dtype)
+        k = self.k_codec.decode(self.k_enc, dtype=dtype)
+        v = self.v_codec.decode(self.v_enc, dtype=dtype)
+        if self.skip_tokens:
+            k, v = k[..., self.skip_tokens :, :], v[..., self.skip_tokens :, :]
+        return k, v
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The one SDPA call every reference path makes (no mask: block-causality comes from what is stored)."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def gather(
+    segments: Sequence[Segment],
+    k_cur: torch.Tensor | None,
+    v_cur: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[past | current] K and V as two contiguous [B, H, T, D] tensors of `dtype`.
+
+    Each segment is decoded and copied into a preallocated buffer, so the scratch is the buffer plus one segment's
+    decode rather than all decodes plus their concatenation. Copying is bit-exact, so this equals `torch.cat`.
+    """
+    parts = list(segments) + ([Segment(k=k_cur, v=v_cur)] if k_cur is not None else [])
+    if not parts:
+        raise AttentionError("nothing to attend: no stored segments and no current block")
+    ref = parts[0].k if not parts[0].encoded else None
+    shape = _segment_shape(parts[0])
+    total = sum(p.num_tokens for p in parts)
+    device = ref.device if ref is not None else parts[0].k_enc.device
+    k_out = torch.empty(*shape[:-2], total, shape[-1], dtype=dtype, device=device)
+    v_out = torch.empty_like(k_out)
+    start = 0
+    for part in parts:
+        k, v = part.decode(dtype)
+        n = k.shape[-2]
+        k_out[..., start : start + n, :].copy_(k)
+        v_out[..., start : start + n, :].copy_(v)
+        start += n
+    return k_out, v_out
+
+
+def _segment_shape(seg: Segment) -> tuple[int, ...]:
+    return tuple(seg.k_enc.shape) if seg.encoded else tuple(seg.k.shape)
+
+
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention in fp32 (fp64 if given fp64) and its log-sum-exp: (out [.., Tq, Dv], lse [.., Tq])."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kt = k.to(acc).transpose(-1, -2)
+    return _chunked(q, lambda qc: torch.matmul(qc.to(acc), kt) * scale, v.to(acc))
+
+
+def scores_lse(
+    q: torch.Tensor, codec: Codec, enc: Encoded, v: torch.Tensor, scale: float, skip_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over one encoded key segment scored by the codec's own estimator (`codec.scores`, fp32)."""
+
+    def score(qc: torch.Tensor) -> torch.Tensor:
+        s = codec.scores(qc, enc).float()
+        return (s[..., skip_tokens:] if skip_tokens else s) * scale
+
+    return _chunked(q, score, v.float())
+
+
+def _chunked(
+    q: torch.Tensor, score: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    outs, lses = [], []
+    for start in range(0, q.shape[-2], _Q_CHUNK):
+        s = score(q[..., start : start + _Q_CHUNK, :])
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def merge_lse(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention over disjoint key sets exactly: softmax over the union = Σ_i exp(lse_i − lse) · out_i,
+    lse = log Σ_i exp(lse_i) (the split-KV reduction of Flash-Decoding, ecosystem.md D2)."""
+    if not parts:
+        raise AttentionError("merge_lse needs at least one (out, lse) part")
+    acc = parts[0][0].dtype
+    for out, _ in parts[1:]:
+        acc = torch.promote_types(acc, out.dtype)
+    lse = torch.logsumexp(torch.stack([p[1].to(acc) for p in parts]), dim=0)
+    out = sum(torch.exp(p[1].to(acc) - lse).unsqueeze(-1) * p[0].to(acc) for p in parts)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernel seam
+
+
+def find_kernel(k_codec: Codec, v_codec: Codec, device: torch.device) -> Callable | None:
+    """A fused attention kernel for this (K codec, V codec) pair on `device`, or None for the torch reference.
+
+    Protocol for `mmkv.kernels`: a module-level `attention_kernel(k_config, v_config)` returning None or a callable
+    `kernel(q, segments, scale) -> (out, lse)` that attends q [B, H, Tq, D] over the encoded `segments` (each with
+    `k_enc`, `v_enc`, `k_codec`, `v_codec`, `skip_tokens`) and returns out [B, H, Tq, D] and lse [B, H, Tq], both fp32.
+    """
+    if device.type != "cuda":
+        return None
+    try:
+        kernels = importlib.import_module("mmkv.kernels")
+    except ModuleNotFoundError as err:
+        if err.name not in ("mmkv.kernels", "triton"):
+            raise
+        return None
+    lookup = getattr(kernels, "attention_kernel", None)
+    return None if lookup is None else lookup(k_codec.config, v_codec.config)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def attend(
+    q: torch.Tensor,
+    segments: Sequence[Segment],
+    k_cur: torch.Tensor | None = None,
+    v_cur: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of q [B, H, Tq, D] over [segments | current block] -> [B, H, Tq, D] in q's dtype.
+
+    `backend`: "auto" uses a fused kernel when `mmkv.kernels` has one (CUDA only) and otherwise behaves like
+    "reference"; "reference" is torch only, with a key codec's own score estimator when it has one; "decode" always
+    decodes to the store dtype and calls SDPA, ignoring score estimators.
+    """
+    if backend not in BACKENDS:
+        raise AttentionError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    encoded = [s for s in segments if s.encoded]
+    if encoded and backend != "decode":
+        k_codec, v_codec = encoded[0].k_codec, encoded[0].v_codec
+        kernel = find_kernel(k_codec, v_codec, q.device) if backend == "auto" else None
+        if kernel is not None or k_codec.has_scores:
+            return _attend_split(q, segments, k_cur, v_cur, scale, kernel)
+    k, v = gather(segments, k_cur, v_cur, q.dtype)
+    return sdpa(q, k, v, scale=scale)
+
+
+def _attend_split(
+    q: torch.Tensor,
+    segments: Sequence[Segment],
+    k_cur: torch.Tensor | None,
+    v_cur: torch.Tensor | None,
+    scale: float | None,
+    kernel: Callable | None,
+) -> torch.Tensor:
+    """Encoded segments through a kernel or the score estimator, native ones exactly; merged via log-sum-exp."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    encoded = [s for s in segments if s.encoded]
+    if kernel is not None:
+        out, lse = kernel(q, encoded, scale)
+        parts.append((out.float(), lse.float()))
+    else:
+        for seg in encoded:
+            v = seg.v_codec.decode(seg.v_enc, dtype=torch.float32)[..., seg.skip_tokens :, :]
+            parts.append(scores_lse(q, seg.k_codec, seg.k_enc, v, scale, seg.skip_tokens))
+    native = [s for s in segments if not s.encoded]
+    if native or k_cur is not None:
+        k, v = gather(native, k_cur, v_cur, q.dtype)
+        parts.append(attention_lse(q, k, v, scale))
+    out, _ = merge_lse(parts)
+    return out.to(q.dtype)

@@ -1,0 +1,508 @@
+"""The compressed KV store (`mmkv.cache`): one test per property of the contract, run over every registered codec."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmkv.codecs as codecs
+from mmkv.cache import CacheConfig, KVCacheError, KVStore
+from mmkv.codecs.base import _REGISTRY, Codec, Encoded, build, get_codec_class, kv_configs, register
+
+L, H, D = 3, 2, 32
+BATCH = 2  # like AAR's cond/uncond rows
+UNIT = 4  # tokens per unit
+VALUE_GROUP = 16
+ALL_CODECS = codecs.names()
+
+
+def rand(gen: torch.Generator, tokens: int, dtype=torch.float32, batch: int = BATCH) -> torch.Tensor:
+    return torch.randn(batch, H, tokens, D, generator=gen).to(dtype)
+
+
+def store_for(codec, **kw) -> KVStore:
+    kw.setdefault("value_group", VALUE_GROUP)
+    return KVStore(CacheConfig(codec=codec, **kw), num_layers=L, num_heads=H, head_dim=D)
+
+
+def commit_schedule() -> list[int]:
+    """Units per append: mixes single units (frame-wise video, audio scales) and blocks (chunk-wise video)."""
+    return [1, 3, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Identity codec == native store == SDPA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_identity_bit_exact_with_native_store_and_sdpa(dtype, window):
+    gen = torch.Generator().manual_seed(1)
+    native, ident = store_for(None, residual_window=window), store_for("identity", residual_window=window)
+    ks, vs = [], []
+    for n in commit_schedule():
+        q, kc, vc = rand(gen, 5, dtype), rand(gen, UNIT * n, dtype), rand(gen, UNIT * n, dtype)
+        out_native = native.attend(1, q, kc, vc)
+        out_ident = ident.attend(1, q, kc, vc)
+        out_sdpa = F.scaled_dot_product_attention(q, torch.cat(ks + [kc], 2), torch.cat(vs + [vc], 2))
+        assert torch.equal(out_native, out_ident)
+        assert torch.equal(out_ident, out_sdpa)
+        # the commit pass: attend (above), then append the block
+        native.append(1, kc, vc, num_units=n)
+        ident.append(1, kc, vc, num_units=n)
+        ks.append(kc)
+        vs.append(vc)
+    k_past, v_past = ident.past(1)
+    assert torch.equal(k_past, torch.cat(ks, 2)) and torch.equal(v_past, torch.cat(vs, 2))
+    q = rand(gen, 3, dtype)  # read with no current block (audio: the current scale was appended first)
+    assert torch.equal(ident.attend(1, q, scale=0.3), F.scaled_dot_product_attention(q, k_past, v_past, scale=0.3))
+    assert ident.stats()["encodes_per_layer"][1] == sum(commit_schedule()) - window
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every codec through the store matches its reference decode
+
+
+def _reference(codec: str, appends: list[tuple[torch.Tensor, torch.Tensor, int]], window: int, layer: int, seed: int):
+    """Expected segments of one layer, built without the store: fresh codecs, each unit encoded once when it leaves."""
+    k_cfg, v_cfg = kv_configs(codec, VALUE_GROUP)
+    kc = build(k_cfg, head_dim=D, num_heads=H, layer=layer, seed=seed)
+    vc = build(v_cfg, head_dim=D, num_heads=H, layer=layer, seed=seed)
+    span = kc.span_codec or vc.span_codec
+    units, segs, native = [], [], []
+    for k, v, n in appends:
+        per = k.shape[2] // n
+        for i in range(n):
+            native.append((k[:, :, i * per : (i + 1) * per], v[:, :, i * per : (i + 1) * per]))
+        leaving = max(len(native) - window, 0)
+        out, native = native[:leaving], native[leaving:]
+        groups = [out] if span and out else [[u] for u in out]
+        for g in groups:
+            segs.append(("enc", kc.encode(torch.cat([u[0] for u in g], 2)), vc.encode(torch.cat([u[1] for u in g], 2))))
+    segs += [("nat", k, v) for k, v in native]
+    return kc, vc, segs
+
+
+def _reference_attention(q, kc: Codec, vc: Codec, segs, dtype):
+    scale = 1.0 / math.sqrt(D)
+    if not kc.has_scores:
+        ks = [kc.decode(a, dtype) if t == "enc" else a for t, a, _ in segs]
+        vs = [vc.decode(b, dtype) if t == "enc" else b for t, _, b in segs]
+        return F.scaled_dot_product_attention(q, torch.cat(ks, 2), torch.cat(vs, 2)), "exact"
+    scores = [kc.scores(q, a).float() if t == "enc" else q.float() @ a.float().transpose(-1, -2) for t, a, _ in segs]
+    vs = [vc.decode(b, torch.float32) if t == "enc" else b.float() for t, _, b in segs]
+    p = torch.softmax(torch.cat(scores, -1) * scale, dim=-1)
+    return (p @ torch.cat(vs, 2)).to(dtype), "close"
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS)
+def test_codec_through_store_matches_reference_decode(codec):
+    gen = torch.Generator().manual_seed(2)
+    window, seed, layer = 1, 7, 2
+    store = store_for(codec, residual_window=window, seed=seed)
+    appends = []
+    for n in commit_schedule():
+        k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
+        store.append(layer, k, v, num_units=n)
+        appends.append((k, v, n))
+    kc, vc, segs = _reference(codec, appends, window, layer, seed)
+    k_ref = torch.cat([kc.decode(a, torch.float32) if t == "enc" else a for t, a, _ in segs], 2)
+    v_ref = torch.cat([vc.decode(b, torch.float32) if t == "enc" else b for t, _, b in segs], 2)
+    k_past, v_past = store.past(layer)
+    assert torch.equal(k_past, k_ref) and torch.equal(v_past, v_ref)
+    q = rand(gen, 6)
+    expected, how = _reference_attention(q, kc, vc, segs, torch.float32)
+    out = store.attend(layer, q)
+    if how == "exact":
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if codec != "identity":  # a lossy codec must actually change the keys it encoded
+        assert not torch.equal(k_past, torch.cat([a for a, _, _ in appends], 2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Encode-once, window, protection
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS)
+def test_each_unit_is_encoded_exactly_once(codec):
+    gen = torch.Generator().manual_seed(3)
+    window = 2
+    store = store_for(codec, residual_window=window)
+    seen: list[int] = []
+    for layer in range(L):
+        for which in (store.k_codec(layer), store.v_codec(layer)):
+            original = which.encode
+
+            def counting(x, _orig=original):
+                seen.append(x.shape[2])
+                return _orig(x)
+
+            which.encode = counting
+    total = 0
+    for n in commit_schedule():
+        for layer in range(L):
+            store.append(layer, rand(gen, UNIT * n), rand(gen, UNIT * n), num_units=n, first_unit=total)
+        total += n
+        # every unit older than the window has been encoded, once; none of the window has
+        for layer in range(L):
+            assert store.encoded_units(layer) == list(range(max(total - window, 0)))
+    assert sum(seen) == 2 * L * (total - window) * UNIT  # K and V, every layer, each leaving unit once
+    assert store.stats()["encodes_per_layer"] == [total - window] * L
+
+
+@pytest.mark.parametrize("window", [0, 1, 3])
+@pytest.mark.parametrize("units_per_append", [1, 2, 4])
+def test_native_window_never_exceeds_residual_window(window, units_per_append):
+    gen = torch.Generator().manual_seed(4)
+    store = store_for("identity", residual_window=window)
+    total = 0
+    for _ in range(4):
+        store.append(0, rand(gen, UNIT * units_per_append), rand(gen, UNIT * units_per_append), units_per_append)
+        total += units_per_append
+        assert store.num_native_units(0) == min(window, total)
+        assert store.num_units(0) == total and store.num_tokens(0) == total * UNIT
+
+
+def test_protected_layers_and_units_stay_native():
+    gen = torch.Generator().manual_seed(5)
+    cfg = dict(residual_window=1, protected_layers=(0, -1), protected_units=2)
+    store, native = store_for("groupquant:bits=2,group=16", **cfg), store_for(None)
+    assert store.protected_layers == (0, L - 1)
+    assert store.k_codec(0) is None and store.v_codec(L - 1) is None and store.k_codec(1) is not None
+    units = []
+    for n in commit_schedule():
+        for layer in range(L):
+            k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
+            store.append(layer, k, v, n)
+            native.append(layer, k, v, n)
+            if layer == 1:
+                units.append(k)
+    total = sum(commit_schedule())
+    assert store.encoded_units(0) == [] and store.encoded_units(L - 1) == []
+    assert store.encoded_units(1) == list(range(2, total - 1))
+    q = rand(gen, 3)
+    for layer in (0, L - 1):  # protected layers: bit-exact with the native store even with a 2-bit codec
+        assert torch.equal(store.attend(layer, q), native.attend(layer, q))
+    k_past, _ = store.past(1)
+    k_true = torch.cat(units, 2)
+    assert torch.equal(k_past[:, :, : 2 * UNIT], k_true[:, :, : 2 * UNIT])  # sink units untouched
+    assert torch.equal(k_past[:, :, -UNIT:], k_true[:, :, -UNIT:])  # residual window untouched
+    assert not torch.equal(k_past[:, :, 2 * UNIT : -UNIT], k_true[:, :, 2 * UNIT : -UNIT])
+
+
+def test_k_and_v_may_use_different_codecs():
+    gen = torch.Generator().manual_seed(6)
+    store = store_for("identity/groupquant:bits=4,group=16", residual_window=0)
+    assert store.k_codec(1).name == "identity" and store.v_codec(1).name == "groupquant"
+    k, v = rand(gen, 2 * UNIT), rand(gen, 2 * UNIT)
+    store.append(1, k, v, num_units=2)
+    k_past, v_past = store.past(1)
+    assert torch.equal(k_past, k)
+    assert not torch.equal(v_past, v) and (v_past - v).abs().max() < 0.5
+    stats = store.stats()
+    assert stats["k_effective_bits"] == 32.0  # fp32 keys stored as they are
+    assert stats["v_effective_bits"] == 4.0 + 32 / 16  # 4-bit codes + fp16 scale and min per 16 channels
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes
+
+
+def _held_bytes(store: KVStore) -> tuple[int, int]:
+    held, tokens = 0, 0
+    for layer in range(L):
+        for seg in store.segments(layer):
+            if seg.encoded:
+                held += seg.k_enc.nbytes + seg.v_enc.nbytes
+            else:
+                held += seg.k.numel() * seg.k.element_size() + seg.v.numel() * seg.v.element_size()
+            tokens += seg.num_tokens
+    return held, tokens
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS + [None])
+def test_nbytes_counts_what_is_held(codec):
+    gen = torch.Generator().manual_seed(8)
+    store = store_for(codec, residual_window=1)
+    for n in commit_schedule():
+        for layer in range(L):
+            store.append(layer, rand(gen, UNIT * n, torch.bfloat16), rand(gen, UNIT * n, torch.bfloat16), n)
+        held, tokens = _held_bytes(store)
+        assert store.nbytes() == held
+        assert store.bf16_nbytes() == 2 * 2 * BATCH * H * D * tokens
+        assert store.kv_ratio == pytest.approx(store.bf16_nbytes() / held)
+    stats = store.stats()
+    assert stats["k_payload_nbytes"] + stats["v_payload_nbytes"] + stats["native_nbytes"] == store.nbytes()
+    if codec is None:
+        assert store.kv_ratio == 1.0  # bf16 in, bf16 held
+    elif codec != "identity":
+        assert store.kv_ratio > 1.0 and stats["k_effective_bits"] < 16
+
+
+def test_peak_within_native_over_kv_ratio_plus_one_layer_scratch():
+    gen = torch.Generator().manual_seed(9)
+    native, store = store_for(None), store_for("groupquant:bits=2,group=16", residual_window=1)
+    last = 0
+    for n in commit_schedule():
+        for layer in range(L):
+            k, v = rand(gen, UNIT * n, torch.bfloat16), rand(gen, UNIT * n, torch.bfloat16)
+            for s in (native, store):
+                s.attend(layer, rand(gen, 2, torch.bfloat16), k, v)
+                s.append(layer, k, v, n)
+            assert store.peak_nbytes >= max(store.nbytes(), last)
+            last = store.peak_nbytes
+    assert native.peak_nbytes == native.nbytes()
+    assert store.peak_nbytes <= native.nbytes() / store.kv_ratio + store.scratch_peak_nbytes
+    # the scratch is one layer's past in the store dtype plus one unit's decode, not the whole model's
+    assert store.scratch_peak_nbytes <= native.nbytes() / L + 2 * 2 * BATCH * H * D * 3 * UNIT
+
+
+def test_reset_starts_a_new_rollout():
+    gen = torch.Generator().manual_seed(10)
+    store = store_for("groupquant:bits=3,group=16")
+    data = [(rand(gen, UNIT * n), rand(gen, UNIT * n), n) for n in commit_schedule()]
+    q = rand(gen, 4)
+
+    def rollout():
+        for k, v, n in data:
+            store.append(0, k, v, n)
+        return store.attend(0, q), store.stats()
+
+    first, first_stats = rollout()
+    store.reset()
+    assert store.nbytes() == 0 and store.bf16_nbytes() == 0 and store.peak_nbytes == 0
+    assert store.num_units(0) == 0 and store.encoded_units(0) == []
+    with pytest.raises(KVCacheError, match="holds nothing"):
+        store.attend(0, q)
+    second, second_stats = rollout()
+    assert torch.equal(first, second) and first_stats == second_stats
+
+
+@pytest.mark.parametrize("codec", ALL_CODECS)
+def test_store_is_deterministic_and_leaves_global_rng_alone(codec):
+    gen = torch.Generator().manual_seed(11)
+    data = [(rand(gen, UNIT * n), rand(gen, UNIT * n), n) for n in commit_schedule()]
+    q = rand(gen, 3)
+    outs = []
+    state = torch.get_rng_state()
+    for _ in range(2):
+        store = store_for(codec, seed=3)
+        for k, v, n in data:
+            store.append(1, k, v, n)
+        outs.append(store.attend(1, q))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rolling window, sinks, span codecs (issue 7)
+
+
+def test_rolling_window_keeps_sinks_and_newest_units():
+    gen = torch.Generator().manual_seed(12)
+    store = store_for("identity", residual_window=1, attention_window=2, sink_units=1)
+    units = []
+    for n in (1, 2, 3):
+        k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
+        store.append(0, k, v, n)
+        units += list(k.split(UNIT, dim=2))
+    assert store.num_units(0) == 3  # sink 0, then units 4 and 5
+    k_past, _ = store.past(0)
+    assert torch.equal(k_past, torch.cat([units[0], units[4], units[5]], 2))
+    # units 1..3 were evicted; 2 and 3 arrived and left in the same append, so they were never encoded
+    assert store.encoded_units(0) == [0, 1, 4]
+    assert store.stats()["evicted_units_per_layer"][0] == 3
+    held, _ = _held_bytes(store)
+    assert store.nbytes() == held
+
+
+@pytest.fixture
+def span_codec():
+    """A toy span codec (per-channel span mean in fp32 + bf16 residuals): its encoding of a unit depends on the
+    other units of the span, like QVG's k-means."""
+
+    @register
+    class SpanMean(Codec):
+        name = "test-span-mean"
+        span_codec = True
+
+        @classmethod
+        def value_config(cls, config, group=32):
+            return config
+
+        def _encode(self, x):
+            mean = x.mean(dim=-2, keepdim=True)
+            return Encoded(self.name, (), x.dtype, {"mean": mean, "res": (x - mean).bfloat16()})
+
+        def _decode(self, enc):
+            return enc.tensors["res"].float() + enc.tensors["mean"]
+
+    yield SpanMean
+    del _REGISTRY["test-span-mean"]
+
+
+def test_span_codec_encodes_each_commit_jointly(span_codec):
+    gen = torch.Generator().manual_seed(13)
+    store = store_for("test-span-mean", residual_window=1)
+    appends = []
+    for n in (3, 3, 1, 2):
+        k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
+        store.append(0, k, v, n)
+        appends.append((k, v, n))
+    # commits release units {0,1}, {2,3,4}, {5}, {6,7}: one span each (qvg.md §8.1 "commit span")
+    assert store.stats()["encode_calls_per_layer"][0] == 4
+    assert [s.k_enc.shape[2] for s in store.segments(0) if s.encoded] == [2 * UNIT, 3 * UNIT, UNIT, 2 * UNIT]
+    kc, vc, segs = _reference("test-span-mean", appends, 1, 0, 0)
+    k_ref = torch.cat([kc.decode(a) if t == "enc" else a for t, a, _ in segs], 2)
+    assert torch.equal(store.past(0)[0], k_ref)
+
+
+def test_span_units_wait_native_and_rolling_window_trims_spans(span_codec):
+    span_codec.span_units = 3
+    gen = torch.Generator().manual_seed(14)
+    store = store_for("test-span-mean", residual_window=1, attention_window=4)
+    assert store.span_units == 3
+    units = []
+    for n in (1, 1, 1, 1, 1, 1):
+        k, v = rand(gen, UNIT), rand(gen, UNIT)
+        store.append(0, k, v, n)
+        units.append(k)
+    # units 0-2 left the window by the 4th append and were encoded as one span; 3, 4 wait for their span; 5 is the
+    # window. The rolling window (4 units) hides units 0 and 1 while their span stays held for unit 2.
+    assert store.encoded_units(0) == [0, 1, 2]
+    assert store.num_units(0) == 4 and store.num_native_units(0) == 3
+    k_past, _ = store.past(0)
+    assert torch.equal(k_past[:, :, UNIT:], torch.cat(units[3:], 2))
+    torch.testing.assert_close(k_past[:, :, :UNIT], units[2], atol=0.05, rtol=0)
+    assert store.bf16_nbytes() == 2 * 2 * BATCH * H * D * 4 * UNIT
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def _written_store():
+    store = store_for("identity")
+    store.append(0, torch.randn(BATCH, H, UNIT, D), torch.randn(BATCH, H, UNIT, D))
+    return store
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s: s.append(0, torch.randn(BATCH, H, UNIT, D), torch.randn(BATCH, H, UNIT + 1, D)), "differs from k shape"),
+        (lambda s: s.append(0, torch.randn(BATCH, H, UNIT, D), torch.randn(BATCH, H, UNIT, D).double()), "dtype"),
+        (lambda s: s.append(0, torch.randn(BATCH, H, UNIT, D).half(), torch.randn(BATCH, H, UNIT, D).half()),
+         "differs from the stored units' dtype"),
+        (lambda s: s.append(0, torch.randn(1, H, UNIT, D), torch.randn(1, H, UNIT, D)), "batch 1 differs"),
+        (lambda s: s.append(1, torch.randn(BATCH, UNIT, H, D), torch.randn(BATCH, UNIT, H, D)), "transpose"),
+        (lambda s: s.append(1, torch.randn(BATCH, H, UNIT, D + 1), torch.randn(BATCH, H, UNIT, D + 1)), "must be"),
+        (lambda s: s.append(1, torch.randn(BATCH, H, 5, D), torch.randn(BATCH, H, 5, D), num_units=2), "evenly"),
+        (lambda s: s.append(1, torch.randn(BATCH, H, 4, D), torch.randn(BATCH, H, 4, D), num_units=0), "num_units"),
+        (lambda s: s.append(0, torch.randn(BATCH, H, 4, D), torch.randn(BATCH, H, 4, D), first_unit=0), "out of order"),
+        (lambda s: s.append(1, torch.randn(BATCH, H, 4, D), torch.randn(BATCH, H, 4, D), first_unit=3), "out of order"),
+        (lambda s: s.append(L, torch.randn(BATCH, H, 4, D), torch.randn(BATCH, H, 4, D)), "layer must be"),
+        (lambda s: s.attend(1, torch.randn(BATCH, H, 2, D)), "never written"),
+        (lambda s: s.past(2), "never written"),
+        (lambda s: s.attend(0, torch.randn(BATCH, H, 2, D + 1)), "q must be"),
+        (lambda s: s.attend(0, torch.randn(BATCH, H, 2, D).double()), "q dtype"),
+        (lambda s: s.attend(0, torch.randn(BATCH, H, 2, D), k_cur=torch.randn(BATCH, H, 2, D)), "both k_cur"),
+        (lambda s: s.attend(0, torch.randn(BATCH, H, 2, D), scale=-1.0), "scale"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(call, match):
+    with pytest.raises(KVCacheError, match=match):
+        call(_written_store())
+
+
+def test_codec_whose_head_dim_the_layer_lacks():
+    pow2 = [n for n in ALL_CODECS if get_codec_class(n).requires_pow2]
+    assert pow2, "expected at least one codec with a Walsh-Hadamard rotation"
+    with pytest.raises(KVCacheError, match=r"layer 0 .*head_dim=48.*power-of-two"):
+        KVStore(CacheConfig(codec=pow2[0]), num_layers=2, num_heads=H, head_dim=48)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(codec="no-such-codec"), "unknown codec"),
+        (dict(codec="groupquant:nonsense=1"), "no parameter"),
+        (dict(residual_window=-1), "residual_window"),
+        (dict(protected_units=1.5), "protected_units"),
+        (dict(protected_layers=1), "protected_layers"),
+        (dict(sink_units=2), "sink_units"),
+        (dict(attention_window=0), "attention_window"),
+        (dict(attention="flash"), "attention"),
+    ],
+)
+def test_bad_config_gets_a_clear_error(kwargs, match):
+    with pytest.raises(KVCacheError, match=match):
+        CacheConfig(**kwargs)
+
+
+def test_protected_layer_out_of_range():
+    with pytest.raises(KVCacheError, match="protected layer 5 out of range"):
+        store_for("identity", protected_layers=(5,))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attaching, manifest
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.mmkv_layer = layer
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Attn(i) for i in range(L)])
+        self.other = torch.nn.Linear(2, 2)
+
+
+def test_attach_sets_store_and_restores_even_on_error():
+    model, store = _Model(), store_for("identity")
+    sentinel = object()
+    model.blocks[1].mmkv_store = sentinel
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.attach(model) as attached:
+            assert attached is store
+            assert all(b.mmkv_store is store for b in model.blocks)
+            assert not hasattr(model.other, "mmkv_store")
+            raise RuntimeError("boom")
+    assert model.blocks[1].mmkv_store is sentinel
+    assert not hasattr(model.blocks[0], "mmkv_store") and not hasattr(model.blocks[2], "mmkv_store")
+
+
+def test_attach_refuses_models_it_cannot_serve():
+    store = store_for("identity")
+    with pytest.raises(KVCacheError, match="no module"):
+        with store.attach(torch.nn.Linear(2, 2)):
+            pass
+    model = _Model()
+    model.blocks[2].mmkv_layer = L
+    with pytest.raises(KVCacheError, match=f"mmkv_layer={L}"):
+        with store.attach(model):
+            pass
+    assert not hasattr(model.blocks[0], "mmkv_store")
+
+
+def test_manifest_is_json_and_records_the_setup():
+    gen = torch.Generator().manual_seed(15)
+    store = store_for("groupquant:bits=2,group=16", protected_layers=(-1,), protected_units=1)
+    assert json.loads(json.dumps(store.manifest()))["kv_ratio"] is None  # empty store: no ratio yet
+    for layer in range(L):
+        store.append(layer, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), 3)
+    m = json.loads(json.dumps(store.manifest()))
+    assert m["k_codec"] == "groupquant:bits=2,group=16,meta=fp16" and m["v_codec"].startswith("groupquant:bits=2")
+    assert m["residual_window"] == 1 and m["protected_layers"] == [L - 1] and m["protected_units"] == 1
+    assert m["nbytes"] == store.nbytes() and m["kv_ratio"] == pytest.approx(store.kv_ratio)
+    assert m["tokens_per_layer"] == [3 * UNIT] * L
