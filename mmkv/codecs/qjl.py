@@ -1,0 +1,88 @@
+"""QJL: a 1-bit Johnson-Lindenstrauss sign sketch of each key with an asymmetric, unbiased score estimator
+(codecs.md 4.1; QJL paper Def. 3.1 and Algorithm 1).
+
+Encode: z = sign(S k) in {+-1}^m with S in R^{m x d} i.i.d. N(0, 1), m = bits * d, one S per (layer, KV head) from a
+private generator; store the packed signs and nu = ||k||.
+Scores: q.k ~= sqrt(pi/2)/m * nu * <S q, z>, unbiased by Lemma 3.2 (E|g| = sigma sqrt(2/pi)). The query is never
+quantised: sign-quantising both sides would estimate the angle, and its cosine is biased.
+Decode: k_hat = sqrt(pi/2)/m * nu * S^T z, the one vector whose inner products are exactly the estimator
+(<q, k_hat> = score), so the decode + SDPA path and the score path agree. As a reconstruction it is noisy by
+design: E_S ||k_hat - k||^2 = ((pi/2) d - 1)/m * ||k||^2, about 0.78 ||k||^2 at m = 2d.
+
+S is plain i.i.d. Gaussian (Def. 3.1), which makes the estimator exactly unbiased; the official code orthogonalises
+S by QR in 128-row chunks and rescales rows to sqrt(d), which lowers variance but leaves an O(1/d) bias. The
+outlier-channel split of the official code (codecs.md 4.2) is not part of this codec (docs/decisions.d/turboquant_qjl.md).
+
+Stored per row of T tokens: `signs` (1-bit, one dense bit stream over T*m signs, bit 1 = +1) and `norm` (fp32 by
+default, fp16 optionally). Bits per key: m + 32 = bits*d + 32 (or + 16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmkv.codecs.base import Codec, Encoded, register
+from mmkv.codecs.turboquant_mse import check_heads, gaussian_sketch, pack_plane, store_norm, unpack_plane
+
+
+@register
+class QJLCodec(Codec):
+    """QJL keys. Params: bits (1..8 sign bits per coordinate, i.e. sketch size m = bits * d), norm (32 or 16)."""
+
+    name = "qjl"
+    defaults = {"bits": 2, "norm": 32}
+    aliases = {"b": "bits"}
+    has_scores = True
+    sketch_stream = "qjl"
+
+    def setup(self) -> None:
+        cfg, d = self.config, self.head_dim
+        self.bits = self.check_bits(cfg["bits"], tuple(range(1, 9)), "bits")
+        self.norm_bits = self.check_bits(cfg["norm"], (32, 16), "norm")
+        self.m = self.bits * d
+        self.sketch = gaussian_sketch(
+            self.m, d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.sketch_stream
+        )
+        self.scale = math.sqrt(math.pi / 2) / self.m  # Def. 3.1
+        self._sketches: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def bits_per_vector(self) -> int:
+        return self.m + self.norm_bits
+
+    def _s(self, device: torch.device) -> torch.Tensor:
+        if device not in self._sketches:
+            s = self.sketch.to(device)
+            self._sketches[device] = s[0] if self.num_heads == 1 else s  # [H, m, d] meets [..., H, T, d]
+        return self._sketches[device]
+
+    def project(self, v: torch.Tensor) -> torch.Tensor:
+        """S v for v[..., T, d] -> [..., T, m] (fp32)."""
+        return torch.matmul(v, self._s(v.device).transpose(-1, -2))
+
+    def _signs(self, enc: Encoded) -> torch.Tensor:
+        return unpack_plane(enc.tensors["signs"], 1, enc.shape[-2], self.m).to(torch.float32) * 2 - 1
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        signs = self.project(x) >= 0  # sign(0) = +1; a zero key has nu = 0, so its signs never matter
+        return Encoded(
+            str(self.config),
+            tuple(x.shape),
+            x.dtype,
+            {
+                "signs": pack_plane(signs.to(torch.int64), 1),
+                "norm": store_norm(x.norm(dim=-1), self.norm_bits, f"codec {self.config} (layer {self.layer})"),
+            },
+        )
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        coef = (self.scale * enc.tensors["norm"].float()).unsqueeze(-1)
+        return coef * torch.matmul(self._signs(enc), self._s(enc.device))
+
+    def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
+        """sqrt(pi/2)/m * nu * <S q, z>: q[..., Tq, D] -> [..., Tq, T] (fp32), the QJL paper's estimator."""
+        check_heads(self, q)
+        sq = self.project(q.float())
+        return self.scale * enc.tensors["norm"].float().unsqueeze(-2) * torch.matmul(sq, self._signs(enc).transpose(-1, -2))

@@ -1,0 +1,121 @@
+"""TurboQuant-prod: a (b-1)-bit TurboQuant-MSE stage plus a 1-bit QJL sketch of its residual (codecs.md 2.3,
+Algorithm 2), an unbiased inner-product quantiser.
+
+For a key x with norm n = ||x|| and unit vector x1 = x/n:
+  1. idx = Quant_mse(x1) at b-1 bits (the same rotation stream as `turboquant-mse`, so for one seed this stage is
+     exactly `turboquant-mse:b=b-1`),
+  2. r = x1 - DeQuant_mse(idx), in the original basis,
+  3. qjl = sign(S r) with S in R^{d x d} i.i.d. N(0, 1) (m = d), one S per (layer, KV head) from a private generator
+     on a seed stream independent of the rotation's (codecs.md 2.8, AmesianX),
+  4. gamma = ||r||.
+DeQuant: x_hat = n * (DeQuant_mse(idx) + sqrt(pi/2)/d * gamma * S^T qjl)             (Algorithm 2 step 5)
+Scores:  q.k ~= n * (<Pi q, c[idx]> + gamma * sqrt(pi/2)/d * <S q, qjl>)             (codecs.md 2.6)
+which is the same number as <q, x_hat>; `scores` computes it without rotating keys back. E[score] = q.x (Theorem 2).
+
+Stored per row of T tokens: `idx` ((b-1)-bit codes, one dense bit stream over T*d codes), `qjl` (1-bit signs over
+T*d, bit 1 = +1), `rnorm` (gamma) and `norm` (n), each fp32 (default) or fp16. Bits per key: b*d + 2*32 (or 2*16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmkv.codecs.base import Codec, Encoded, register
+from mmkv.codecs.rotation import RandomizedHadamard
+from mmkv.codecs.turboquant_mse import (
+    ScalarQuantizer,
+    check_heads,
+    codebook,
+    gaussian_sketch,
+    pack_plane,
+    store_norm,
+    unpack_plane,
+)
+
+
+@register
+class TurboQuantProdCodec(Codec):
+    """TurboQuant-prod keys. Params: b (2..6 total bits per coordinate: b-1 MSE + 1 QJL), norm (32 or 16 bits for
+    both stored norms)."""
+
+    name = "turboquant-prod"
+    defaults = {"b": 4, "norm": 32}
+    aliases = {"bits": "b"}
+    requires_pow2 = True
+    has_scores = True
+    rotation_stream = "turboquant"  # shared with turboquant-mse: the MSE stage is that codec at b-1 bits
+    sketch_stream = "turboquant-prod-qjl"
+
+    def setup(self) -> None:
+        cfg, d = self.config, self.head_dim
+        self.b = self.check_bits(cfg["b"], (2, 3, 4, 5, 6), "b")
+        self.norm_bits = self.check_bits(cfg["norm"], (32, 16), "norm")
+        self.mse_q = ScalarQuantizer(codebook(d, self.b - 1))
+        self.rotation = RandomizedHadamard(
+            d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.rotation_stream
+        )
+        self.m = d  # Algorithm 2 uses a square sketch
+        self.sketch = gaussian_sketch(
+            self.m, d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.sketch_stream
+        )
+        self.qjl_scale = math.sqrt(math.pi / 2) / self.m  # Lemma 3.2 / Algorithm 2 step 5
+        self._sketches: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def bits_per_vector(self) -> int:
+        """(b-1)*d MSE bits + d QJL bits + two norms (codecs.md 2.6)."""
+        return self.b * self.head_dim + 2 * self.norm_bits
+
+    # -- sketch S, one per KV head, broadcast over dim -3 -------------------------------------------------------
+    def _s(self, device: torch.device) -> torch.Tensor:
+        if device not in self._sketches:
+            s = self.sketch.to(device)
+            self._sketches[device] = s[0] if self.num_heads == 1 else s  # [H, m, d] meets [..., H, T, d]
+        return self._sketches[device]
+
+    def project(self, v: torch.Tensor) -> torch.Tensor:
+        """S v for v[..., T, d] -> [..., T, m] (fp32)."""
+        return torch.matmul(v, self._s(v.device).transpose(-1, -2))
+
+    def _signs(self, enc: Encoded) -> torch.Tensor:
+        z = unpack_plane(enc.tensors["qjl"], 1, enc.shape[-2], self.m)
+        return z.to(torch.float32) * 2 - 1
+
+    # -- codec ----------------------------------------------------------------------------------------------------
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        where = f"codec {self.config} (layer {self.layer})"
+        norm = x.norm(dim=-1)
+        u = self.rotation.forward(x / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1))
+        idx = self.mse_q.encode(u)  # step 1
+        r = self.rotation.inverse(u - self.mse_q.decode(idx))  # step 2: x1 - Pi^T c[idx], by linearity of Pi^T
+        signs = self.project(r) >= 0  # step 3, sign(0) = +1
+        return Encoded(
+            str(self.config),
+            tuple(x.shape),
+            x.dtype,
+            {
+                "idx": pack_plane(idx, self.b - 1),
+                "qjl": pack_plane(signs.to(torch.int64), 1),
+                "rnorm": store_norm(r.norm(dim=-1), self.norm_bits, where),  # step 4
+                "norm": store_norm(norm, self.norm_bits, where),
+            },
+        )
+
+    def _mse_rotated(self, enc: Encoded) -> torch.Tensor:
+        return self.mse_q.decode(unpack_plane(enc.tensors["idx"], self.b - 1, enc.shape[-2], self.head_dim))
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        coef = (self.qjl_scale * enc.tensors["rnorm"].float()).unsqueeze(-1)
+        unit = self.rotation.inverse(self._mse_rotated(enc)) + coef * torch.matmul(self._signs(enc), self._s(enc.device))
+        return enc.tensors["norm"].float().unsqueeze(-1) * unit
+
+    def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
+        """The paper's estimator n * (<Pi q, c[idx]> + gamma sqrt(pi/2)/d <S q, qjl>): q[..., Tq, D] -> [..., Tq, T]."""
+        check_heads(self, q)
+        q = q.float()
+        mse = torch.matmul(self.rotation.forward(q), self._mse_rotated(enc).transpose(-1, -2))
+        qjl = torch.matmul(self.project(q), self._signs(enc).transpose(-1, -2))
+        rnorm = enc.tensors["rnorm"].float().unsqueeze(-2)
+        return enc.tensors["norm"].float().unsqueeze(-2) * (mse + self.qjl_scale * rnorm * qjl)
