@@ -75,7 +75,7 @@ def test_oscar_rounded_zero_point_grid():
     s, off = enc.tensors["scale"], enc.tensors["offset"]
     z = -off / s
     assert torch.allclose(z, z.round(), atol=1e-4)
-    khat = codec.decode_rotated(enc)
+    khat = codec.decode_normalized(enc)
     target = hadamard_transform(x) / enc.tensors["norm"][..., None]
     step = s.repeat_interleave(32, -1).transpose(-1, -2)
     assert bool(((khat - target).abs() <= step * 1.0001).all())  # rounded z can clip an end by up to s/2
@@ -179,7 +179,7 @@ def test_oscar_norm_is_one_per_token_over_all_heads():
     enc_y = codec.encode(y)
     changed = (enc_y.tensors["norm"] != norm).nonzero().tolist()
     assert changed == [[1, 7]]
-    khat, khat_y = codec.decode_rotated(enc), codec.decode_rotated(enc_y)
+    khat, khat_y = codec.decode_normalized(enc), codec.decode_normalized(enc_y)
     assert not torch.equal(khat[1, 0, 7], khat_y[1, 0, 7])  # head 0 of token 7 was rescaled by the shared norm
 
 
@@ -192,8 +192,10 @@ def test_oscar_rotated_domain_scores_match_decoded_keys():
     s = codec.scores(q, enc)
     assert s.shape == (h, 5, 64)
     assert torch.allclose(s, q @ codec.decode(enc, torch.float32).transpose(-1, -2), atol=1e-4)
-    manual = (codec.rotate_query(q) @ codec.decode_rotated(enc).transpose(-1, -2)) * codec.token_norms(enc)
+    manual = (codec.rotate_query(q) @ codec.decode_normalized(enc).transpose(-1, -2)) * codec.token_norms(enc)
     assert torch.allclose(s, manual, atol=1e-5)
+    # The generic rotation-codec contract: score = <rotate_query(q), decode_rotated(enc)>.
+    assert torch.allclose(s, codec.rotate_query(q) @ codec.decode_rotated(enc).transpose(-1, -2), atol=1e-4)
     # The value path accumulates in the rotated basis; `unrotate` brings the result back.
     vcodec = build("oscar:bits=2,group=32,role=v", head_dim=d, num_heads=h)
     venc = vcodec.encode(k)

@@ -62,9 +62,10 @@ def quantize_groups(
     """Quantise groups along the last dim. Returns (codes int64 [..., n], scale [..., ng], offset [..., ng]).
 
     Decoding is x^ = q * scale + offset for both conventions: offset = min (KIVI, QJL) or offset = -z s with the
-    integer zero point z = round(-min / s) (OScaR's `qpack.h::compute_affine_asym_params`, oscar.md §2.6). A zero-range
-    group stores scale 0 and offset = min, so it decodes exactly (oscar.md §9 #10; KIVI has no guard and would divide by
-    zero). Codes are computed against the stored (rounded) scale and offset, i.e. against the grid the decoder uses.
+    integer zero point z = round(-min / s) (OScaR's `qpack.h::compute_affine_asym_params`, oscar.md §2.6). A
+    zero-range group stores scale 0 and offset = min, so it decodes exactly (oscar.md §9 #10; KIVI has no guard and
+    would divide by zero). Codes are computed against the stored (rounded) scale and offset, i.e. against the grid the
+    decoder uses.
     """
     if zero_point not in ZERO_POINTS:
         raise CodecError(f"{where}: zero_point must be one of {ZERO_POINTS}, got {zero_point!r}")
@@ -118,11 +119,14 @@ def encode_minmax(
     """Packed codes (token-major) plus per-group scale and offset.
 
     axis="token": per token, groups of `group` channels; scale/offset [..., T, ceil(D/G)].
-    axis="channel": per channel, groups of `group` tokens (KIVI K layout (B, H, d, T/G)); scale/offset [..., D, ceil(T/G)].
+    axis="channel": per channel, groups of `group` tokens (KIVI's K layout (B, H, d, T/G)); scale/offset
+    [..., D, ceil(T/G)].
     """
     *lead, t, d = x.shape
     if axis == "token":
-        codes, scale, offset = quantize_groups(x, group, bits, zero_point=zero_point, meta_dtype=meta_dtype, where=where)
+        codes, scale, offset = quantize_groups(
+            x, group, bits, zero_point=zero_point, meta_dtype=meta_dtype, where=where
+        )
     elif axis == "channel":
         codes, scale, offset = quantize_groups(
             x.transpose(-1, -2), group, bits, zero_point=zero_point, meta_dtype=meta_dtype, where=where
@@ -134,7 +138,9 @@ def encode_minmax(
     return {"codes": packed, "scale": scale.contiguous(), "offset": offset.contiguous()}
 
 
-def decode_minmax(tensors: dict[str, torch.Tensor], shape: tuple[int, ...], *, bits: int, group: int, axis: str) -> torch.Tensor:
+def decode_minmax(
+    tensors: dict[str, torch.Tensor], shape: tuple[int, ...], *, bits: int, group: int, axis: str
+) -> torch.Tensor:
     *lead, t, d = shape
     codes = unpack_bits(tensors["codes"], bits, t * d).reshape(*lead, t, d)
     if axis == "token":

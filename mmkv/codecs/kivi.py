@@ -29,7 +29,7 @@ class KiviCodec(Codec):
 
     @classmethod
     def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
-        # KIVI quantises V per token with the key's own G and bits (KIVI-2/KIVI-4 recipe), not the harness's value group.
+        # KIVI quantises V per token with the key's own G and bits (KIVI-2/KIVI-4), not the harness's value group.
         return config.replace(role="v")
 
     def setup(self) -> None:
@@ -39,7 +39,9 @@ class KiviCodec(Codec):
         self.meta_dtype = check_meta(self, self.config["meta"])
         role = self.config["role"]
         if role not in ROLES:
-            raise CodecError(f"codec 'kivi': role must be 'k' (per-channel keys) or 'v' (per-token values), got {role!r}")
+            raise CodecError(
+                f"codec 'kivi': role must be 'k' (per-channel keys) or 'v' (per-token values), got {role!r}"
+            )
         self.role = role
         self.axis = ROLES[role]
 

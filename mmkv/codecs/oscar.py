@@ -9,7 +9,7 @@ K path (`role=k`), on post-RoPE keys k[..., H, T, D] of one layer:
      q = clamp(round(k^ / s + z), 0, 2^b - 1), stored as fp16 (s, -z s) (§2.6, §9 #8-#10); a zero-range group stores
      (0, min) and is exact.
   Decode: k = H (deq(k^) n_t). Attention may instead score in the rotated domain, <H q, deq(k^_t)> n_t (§2.9):
-  `rotate_query`, `decode_rotated`, `token_norms`, `scores`.
+  `rotate_query`, `decode_normalized` (deq(k^)), `token_norms` (n_t), `decode_rotated` (deq(k^) n_t), `scores`.
 
 V path (`role=v`): OScaR folds H into W_v / W_o offline (§2.2). mmkv does no model surgery, so the same rotation is
 applied online at encode (v~ = H v) and undone at decode (H is self-inverse): the stored tensor and its error are those
@@ -73,27 +73,41 @@ class OscarCodec(Codec):
         """H y: back from the rotated basis (H is symmetric and orthogonal, hence self-inverse)."""
         return hadamard_transform(y.float())
 
+    def _check(self, enc: Encoded) -> None:
+        if enc.codec != str(self.config):
+            raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
+
     def token_norms(self, enc: Encoded) -> torch.Tensor:
         """The fp32 omni-token norms n_t, shape [..., T] (leading dims without the head axis)."""
+        self._check(enc)
         if self.role != "k":
             raise CodecError(f"codec {self.config}: only the key path (role=k) stores token norms")
         return enc.tensors["norm"]
 
-    def decode_rotated(self, enc: Encoded) -> torch.Tensor:
-        """deq(k^) for K (rotated, normalised; multiply by `token_norms` per token) or deq(H v) for V (rotated)."""
+    def decode_normalized(self, enc: Encoded) -> torch.Tensor:
+        """deq(k^) for K (rotated and normalised: scale token t by n_t) or deq(H v) for V (rotated), fp32."""
+        self._check(enc)
         return decode_minmax(enc.tensors, enc.shape, bits=self.bits, group=self.group, axis=self.axis)
+
+    def decode_rotated(self, enc: Encoded) -> torch.Tensor:
+        """The reconstruction in the rotated domain, deq(k^) n_t for K (deq(H v) for V), so that, as for the other
+        rotation codecs, score = <rotate_query(q), decode_rotated(enc)> (codecs.md 1.3)."""
+        y = self.decode_normalized(enc)
+        if self.role == "k":
+            y = y * self._norm_per_row(enc.tensors["norm"], len(enc.shape))
+        return y
 
     def _norm_per_row(self, norm: torch.Tensor, ndim: int) -> torch.Tensor:
         # norm [..., T] -> broadcastable over [..., H, T, D] (or [T, D] for a 2-D unit).
         return norm.unsqueeze(-1) if ndim == 2 else norm.unsqueeze(-2).unsqueeze(-1)
 
     def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
-        """<H q, deq(k^_t)> n_t for every stored key: q[..., H, Tq, D] -> [..., H, Tq, T] (fp32), as OScaR's kernel
-        multiplies the fp32 score column by the token norm (§2.5, §9 #5)."""
+        """<H q, deq(k^_t)> n_t for every stored key: q[..., H, Tq, D] -> [..., H, Tq, T] (fp32), in the order of
+        OScaR's kernel, which multiplies the fp32 score column by the token norm (§2.5, §9 #5)."""
         if self.role != "k":
+            self._check(enc)
             return super().scores(q, enc)
-        khat = self.decode_rotated(enc)
-        s = torch.matmul(self.rotate_query(q), khat.transpose(-1, -2))
+        s = torch.matmul(self.rotate_query(q), self.decode_normalized(enc).transpose(-1, -2))
         norm = enc.tensors["norm"]
         return s * (norm if len(enc.shape) == 2 else norm.unsqueeze(-2).unsqueeze(-2))
 
@@ -119,7 +133,4 @@ class OscarCodec(Codec):
         return Encoded(self.name, tuple(x.shape), x.dtype, tensors)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        y = self.decode_rotated(enc)
-        if self.role == "k":
-            y = y * self._norm_per_row(enc.tensors["norm"], len(enc.shape))
-        return hadamard_transform(y)
+        return hadamard_transform(self.decode_rotated(enc))

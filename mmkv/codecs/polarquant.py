@@ -133,6 +133,8 @@ class PolarQuantCodec(Codec):
 
     def decode_rotated(self, enc: Encoded) -> torch.Tensor:
         """The reconstruction in the rotated domain (scores are <rotate_query(q), this>)."""
+        if enc.codec != str(self.config):
+            raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
         *lead, t, d = enc.shape
         nb = d // BLOCK
         books = self._codebooks(enc.device)
