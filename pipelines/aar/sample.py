@@ -100,6 +100,7 @@ class Rollout:
     audio: torch.Tensor
     noise_sha256: str
     scale_noise_sha256: list[str]
+    scale_logits_sha256: list[str]  # guided fp32 logits of each scale before filtering: where two rollouts diverge
     sampling_seed: int
     timings: dict[str, Any] = field(default_factory=dict)
 
@@ -146,6 +147,7 @@ def rollout(
     next_token_map = aar.first_tokens(cond_BD, lvl_pos)
     f_hat = cond_BD.new_zeros(B, aar.Cvae, aar.patch_nums[-1])
     tokens: list[torch.Tensor] = []
+    logit_hashes: list[str] = []
     quant = sat.quantizer
     cur_L = 0
 
@@ -163,6 +165,7 @@ def rollout(
                 logits = aar.step(next_token_map, cond_BD)
                 t = sampling.cfg * si / aar.num_stages_minus_1  # guidance ramps from 0 to cfg (audio.md §4)
                 logits = (1 + t) * logits[:B] - t * logits[B:]
+                logit_hashes.append(hashlib.sha256(logits.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
                 top_k_top_p_filter_(logits, sampling.top_k, sampling.top_p)
                 probs = logits.softmax(dim=-1).view(-1, aar.V)
                 idx = inverse_cdf_sample(probs, stream.uniform(B * pn)).view(B, pn)
@@ -192,6 +195,7 @@ def rollout(
         audio=audio.float().cpu(),
         noise_sha256=stream.sha256,
         scale_noise_sha256=stream.scale_sha256,
+        scale_logits_sha256=logit_hashes,
         sampling_seed=stream.derived_seed,
         timings=timings,
     )

@@ -1,0 +1,498 @@
+"""`mmkv compare audio`: AAR rollouts with the native KV cache and with each codec, side by side, per clip.
+
+For every clip: a CLAP embedding of the clip (or a precomputed one) conditions AAR; the reference rollout (native fp32
+cache) and one rollout per codec run from the same sampling uniforms (same seed and clip, audio.md §4); each writes
+
+    RUN/rollouts/<clip stem>/<reference | codec slug>/{audio.wav, tokens.safetensors, latent.safetensors, rollout.json}
+
+with rollout.json last (atomic), so a rerun skips finished rollouts. The KV cache lives in an `mmkv.cache.KVStore`
+whose unit is one scale; `--residual-window` counts scales including the current one (1 = only the current scale is
+native, audio.md §5.3). Clips are sharded round-robin over torchrun ranks; each rank writes manifest.rank{R}.json and
+prints a table per clip and overall (LSD, log-mel MSE, SNR, latent cosine; min / mean / max).
+
+A clip that cannot be used (corrupt, empty, wrong embedding size) is reported with its file name and skipped; the
+other clips finish and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmkv.pipelines.common import (
+    REFERENCE,
+    CodecSpec,
+    RunError,
+    RunFolder,
+    atomic_path,
+    atomic_save_safetensors,
+    local_device,
+    parse_codec_list,
+    progress,
+    rank_info,
+    sha256_file,
+    shard,
+    versions,
+)
+
+AUDIO_FILES = {"audio": "audio.wav", "tokens": "tokens.safetensors", "latent": "latent.safetensors"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("models")
+    g.add_argument("--aar", required=True, metavar="DIR",
+                   help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint each)")
+    g.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
+    g.add_argument("--trusted-checkpoint", action="store_true",
+                   help="unpickle checkpoints fully if weights_only loading fails (only for files you trust)")
+    g = parser.add_argument_group("conditioning")
+    g.add_argument("--clap", metavar="DIR",
+                   help="local laion/larger_clap_general directory (transformers); with --clap-backend laion, a "
+                        "laion-clap .pt checkpoint")
+    g.add_argument("--clap-backend", choices=("transformers", "laion"), default="transformers",
+                   help="CLAP implementation (default transformers, what AAR was trained with)")
+    g.add_argument("--embeddings", metavar="PATH",
+                   help="precomputed 512-d CLAP embeddings instead of --clap: a folder of <clip stem>.npy/.safetensors "
+                        "or one .safetensors/.npz file keyed by clip stem")
+    g.add_argument("--clips", nargs="+", metavar="DIR|FILE",
+                   help="audio clips (any common format and sample rate) or folders searched recursively; may be "
+                        "omitted with --embeddings (one rollout per embedding)")
+    g.add_argument("--limit", type=int, metavar="N", help="only the first N clips (in sorted order)")
+    g = parser.add_argument_group("codecs and cache")
+    g.add_argument("--codecs", action="append", metavar="PRESET[,PRESET...]",
+                   help="codec presets, e.g. identity,octopus:b=3,kivi:bits=2 (K/V pairs as KEY/VALUE)")
+    g.add_argument("--codec", action="append", metavar="PRESET", help="one codec preset (repeatable)")
+    g.add_argument("--residual-window", type=int, default=1, metavar="W",
+                   help="scales kept native, counting the current one (default 1: only the current scale)")
+    g.add_argument("--value-group", type=int, default=16, help="V group size of single-name presets (default 16)")
+    g.add_argument("--protected-layers", default="", metavar="I,J",
+                   help="comma-separated block indices whose cache stays native (negative counts from the end)")
+    g.add_argument("--codec-seed", type=int, default=0, help="codec seed (rotations); not the sampling seed")
+    g.add_argument("--attention", choices=("auto", "reference", "decode"), default="auto",
+                   help="attention over the compressed cache (see mmkv.attention)")
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--seed", type=int, default=42, help="base sampling seed; each clip derives its own (default 42)")
+    g.add_argument("--cfg", type=float, default=4.0, help="classifier-free guidance at the last scale (default 4)")
+    g.add_argument("--top-k", type=int, default=200)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g = parser.add_argument_group("run")
+    g.add_argument("--out", required=True, metavar="RUN", help="run folder (created; rerun to resume)")
+    g.add_argument("--device", help="torch device (default: this rank's GPU, else cpu)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Conditioning: CLAP (lazy), or precomputed embeddings; cached per clip in RUN/conditions/
+
+
+class Conditioner:
+    def __init__(self, args: argparse.Namespace, device: torch.device):
+        from mmkv.pipelines.aar import clap
+
+        self.clap = clap
+        self.args, self.device = args, device
+        self.source = None
+        self._embedder = None
+        # `key` must match when a run folder is resumed; each rollout also records its embedding's SHA-256.
+        if args.embeddings:
+            self.source = clap.EmbeddingSource(args.embeddings)
+            self.identity = {"backend": "precomputed", "path": str(args.embeddings)}
+            self.key = {"backend": "precomputed"}
+        elif args.clap:
+            p = Path(args.clap)
+            if not p.exists():
+                raise RunError(f"--clap {p} does not exist")
+            files = [p] if p.is_file() else [
+                f for f in sorted(p.iterdir())
+                if f.is_file() and (f.suffix in (".bin", ".safetensors", ".pt") or f.name.endswith("config.json"))
+            ]
+            self.key = {"backend": args.clap_backend, "sha256": clap._sha256_files(files),
+                        "preprocessing": clap.PREPROCESSING_VERSION}
+            self.identity = {**self.key, "path": str(p)}
+        else:
+            raise RunError("give --clap DIR (a local laion/larger_clap_general) or --embeddings PATH")
+
+    def _get_embedder(self):
+        if self._embedder is None:
+            if self.args.clap_backend == "laion":
+                self._embedder = self.clap.LaionClapEmbedder(self.args.clap, self.device)
+            else:
+                self._embedder = self.clap.ClapEmbedder(self.args.clap, self.device)
+        return self._embedder
+
+    def get(self, item: str, path: Path | None, cache_dir: Path) -> tuple[torch.Tensor, dict[str, Any]]:
+        clap = self.clap
+        if self.source is not None:
+            key = item if (path is None or item in self.source.keys()) else clap.sanitize(path.stem)
+            emb, info = self.source.lookup(key)
+            info["clip"] = None if path is None else str(path)
+            return emb, info
+        clip_sha = sha256_file(path) if path is not None and path.is_file() else None
+        cached = cache_dir / f"{item}.safetensors"
+        want = {"clip_sha256": clip_sha, "conditioner_sha256": self.key["sha256"],
+                "preprocessing": clap.PREPROCESSING_VERSION}
+        if cached.is_file():
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(cached), "pt") as f:
+                    meta = f.metadata() or {}
+                    if all(meta.get(k) == str(v) for k, v in want.items()):
+                        return f.get_tensor("embedding"), json.loads(meta.get("info", "{}"))
+            except Exception:
+                pass  # unreadable cache: recompute
+        emb, info = self._get_embedder().embed(path)
+        info.update({"clip_sha256": clip_sha, "backend": self.identity["backend"]})
+        atomic_save_safetensors(cached, {"embedding": emb},
+                                metadata={**{k: str(v) for k, v in want.items()}, "info": json.dumps(info)})
+        return emb, info
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One rollout
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    aar: Any
+    sat: Any
+    device: torch.device
+    folder: RunFolder
+    model_name: str
+    rank: int
+    stores: dict[str, Any]
+    sampling: Any
+    versions: dict[str, Any]
+
+
+def _make_store(ctx_args: argparse.Namespace, aar, spec: CodecSpec | None):
+    from mmkv.cache import CacheConfig, KVStore
+
+    cfg = CacheConfig(
+        codec=None if spec is None else spec.preset,
+        value_group=ctx_args.value_group,
+        residual_window=ctx_args.residual_window,
+        protected_layers=_parse_layers(ctx_args.protected_layers),
+        seed=ctx_args.codec_seed,
+        attention=ctx_args.attention,
+    )
+    return KVStore(cfg, num_layers=aar.depth, num_heads=aar.num_heads, head_dim=aar.config.head_dim)
+
+
+def _parse_layers(text: str) -> tuple[int, ...]:
+    if not text or not text.strip():
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RunError(f"--protected-layers {text!r}: expected comma-separated integers, e.g. 0,-1") from None
+
+
+def _effective_bits(stats: dict[str, Any]) -> float | None:
+    """Measured bits per encoded K/V element (payload + side information); the held average when nothing is
+    encoded (the native cache: 32 for fp32)."""
+    k, v = stats.get("k_effective_bits"), stats.get("v_effective_bits")
+    if k is not None and v is not None:
+        return (k + v) / 2
+    return stats.get("effective_bits")
+
+
+def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tensor, cond_info: dict[str, Any],
+                spec: CodecSpec | None) -> dict[str, Any]:
+    import soundfile as sf
+
+    from mmkv.pipelines.aar.clap import embedding_sha256
+    from mmkv.pipelines.aar.sample import rollout
+
+    variant = REFERENCE if spec is None else spec.variant
+    out_dir = ctx.folder.rollout_dir(item, variant)
+    store = ctx.stores[variant]
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    r = rollout(ctx.aar, ctx.sat, cond[None], seed=ctx.args.seed, key=item, sampling=ctx.sampling, store=store)
+    peak_mem = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
+    stats = store.stats()
+    t0 = time.perf_counter()
+    sr = ctx.sat.config.sample_rate
+    with atomic_path(out_dir / AUDIO_FILES["audio"]) as tmp:
+        sf.write(str(tmp), r.audio[0, 0].numpy(), sr, subtype="FLOAT", format="WAV")
+    tokens = {"tokens": r.tokens_flat[0].contiguous()}
+    tokens.update({f"scale_{si:02d}": t[0].contiguous() for si, t in enumerate(r.tokens)})
+    atomic_save_safetensors(out_dir / AUDIO_FILES["tokens"], tokens,
+                            metadata={"patch_nums": json.dumps(list(ctx.aar.patch_nums))})
+    atomic_save_safetensors(out_dir / AUDIO_FILES["latent"], {"latent": r.latent})
+    timings = dict(r.timings, write_s=time.perf_counter() - t0)
+    record = {
+        "kind": "audio",
+        "item": item,
+        "item_index": index,
+        "text": text,
+        "variant": variant,
+        "preset": None if spec is None else spec.preset,
+        "k_codec": None if spec is None else str(spec.k),
+        "v_codec": None if spec is None else str(spec.v),
+        "bits": None if spec is None else spec.nominal_bits,
+        "effective_bits": _effective_bits(stats),
+        "k_effective_bits": stats.get("k_effective_bits"),
+        "v_effective_bits": stats.get("v_effective_bits"),
+        "kv_bytes": store.nbytes(),
+        "bf16_kv_bytes": store.bf16_nbytes(),
+        "kv_ratio": stats.get("kv_ratio"),
+        "peak_kv_bytes": store.peak_nbytes,
+        "noise_sha256": r.noise_sha256,
+        "scale_noise_sha256": r.scale_noise_sha256,
+        "scale_logits_sha256": r.scale_logits_sha256,
+        "tokens_sha256": r.tokens_sha256,
+        "seed": ctx.args.seed,
+        "sampling_seed": r.sampling_seed,
+        "sampling": ctx.sampling.to_dict(),
+        "model": ctx.model_name,
+        "residual_window": ctx.args.residual_window,
+        "sample_rate": sr,
+        "num_samples": int(r.audio.shape[-1]),
+        "patch_nums": list(ctx.aar.patch_nums),
+        "condition": dict(cond_info),
+        "condition_sha256": embedding_sha256(cond),
+        "cache": store.manifest(),
+        "timings": timings,
+        "peak_memory_bytes": peak_mem,
+        "device": str(ctx.device),
+        "rank": ctx.rank,
+        "files": dict(AUDIO_FILES),
+        "versions": ctx.versions,
+    }
+    ctx.folder.write_rollout(item, variant, record)
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Metrics and tables
+
+METRICS = (("lsd_db", "LSD dB"), ("log_mel_mse", "log-mel MSE"), ("snr_db", "SNR dB"),
+           ("latent_cosine", "latent cos"), ("token_agreement", "tokens ="))
+
+
+def _read_rollout(folder: RunFolder, item: str, variant: str):
+    import soundfile as sf
+    from safetensors.torch import load_file
+
+    d = folder.rollout_dir(item, variant)
+    audio, sr = sf.read(str(d / AUDIO_FILES["audio"]), dtype="float32")
+    return audio, sr, load_file(str(d / AUDIO_FILES["latent"]))["latent"], load_file(str(d / AUDIO_FILES["tokens"]))["tokens"]
+
+
+def clip_metrics(folder: RunFolder, item: str, variant: str) -> dict[str, Any]:
+    """Metrics of one codec rollout against the clip's reference, read back from the files written."""
+    from mmkv.metrics.audio import audio_metrics
+
+    ref, test = folder.rollout_record(item, REFERENCE), folder.rollout_record(item, variant)
+    for key in ("condition_sha256", "noise_sha256"):
+        if ref.get(key) != test.get(key):
+            raise ValueError(f"{key} differs from the reference's (rollouts from another condition or seed); delete "
+                             f"{folder.rollout_dir(item, variant)} to redo it")
+    ref_audio, sr, ref_lat, ref_tok = _read_rollout(folder, item, REFERENCE)
+    audio, _, lat, tok = _read_rollout(folder, item, variant)
+    return audio_metrics(ref_audio, audio, sr, ref_lat, lat, ref_tok, tok)["summary"]
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def clip_table(records: dict[str, dict[str, Any]], metrics: dict[str, dict[str, Any]]) -> str:
+    header = ["variant", "KVx", "bits", *(m[1] for m in METRICS), "time s"]
+    rows = []
+    for variant, rec in records.items():
+        m = metrics.get(variant, {})
+        rows.append([variant, _fmt(rec.get("kv_ratio")), _fmt(rec.get("effective_bits")),
+                     *(_fmt(m.get(k)) for k, _ in METRICS), _fmt(rec.get("timings", {}).get("total_s"), ".2f")])
+    return text_table(header, rows)
+
+
+def overall_table(per_clip: dict[str, dict[str, dict[str, Any]]], variants: list[str]) -> str:
+    header = ["variant", "clips", *(f"{name} min/mean/max" for _, name in METRICS), "SNR@cap"]
+    rows = []
+    for v in variants:
+        ms = [clip[v] for clip in per_clip.values() if v in clip]
+        cells = [v, str(len(ms))]
+        for key, _ in METRICS:
+            vals = [m[key] for m in ms if m.get(key) is not None and not math.isnan(m[key])]
+            cells.append("/".join(_fmt(f(vals)) for f in (min, np.mean, max)) if vals else "-")
+        capped = sum(bool(m.get("snr_at_cap")) for m in ms)
+        cells.append(f"{capped}/{len(ms)}")
+        rows.append(cells)
+    return text_table(header, rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def _items(args: argparse.Namespace, cond: Conditioner) -> tuple[list[str], list[Path | None]]:
+    from mmkv.pipelines.aar import clap
+
+    if args.clips:
+        try:
+            paths: list[Path | None] = list(clap.discover_clips(args.clips))
+        except clap.ClipError as err:
+            raise RunError(str(err)) from None
+        names = clap.item_names(paths)
+    elif cond.source is not None:
+        names = cond.source.keys()
+        paths = [None] * len(names)
+    else:
+        raise RunError("give --clips DIR|FILE... (or --embeddings PATH to condition on precomputed embeddings only)")
+    if args.limit is not None:
+        if args.limit < 1:
+            raise RunError(f"--limit must be >= 1, got {args.limit}")
+        names, paths = names[: args.limit], paths[: args.limit]
+    return names, paths
+
+
+def run(args: argparse.Namespace) -> int:
+    from mmkv.pipelines.aar.clap import ClipError
+    from mmkv.pipelines.aar.loaders import load_models
+    from mmkv.pipelines.aar.sample import SamplingConfig
+
+    rank, world = rank_info()
+    device = torch.device(args.device) if args.device else local_device(rank)
+    if args.residual_window < 1:
+        raise RunError(f"--residual-window counts scales including the current one; must be >= 1, got "
+                       f"{args.residual_window}")
+    specs = parse_codec_list(args.codecs, args.codec, value_group=args.value_group)
+    if not specs:
+        raise RunError("give at least one codec: --codecs identity,octopus:b=3 (the reference is always run)")
+    sampling = SamplingConfig(cfg=args.cfg, top_k=args.top_k, top_p=args.top_p)
+    conditioner = Conditioner(args, device)
+    names, paths = _items(args, conditioner)
+
+    aar, sat, model_info = load_models(args.aar, sat=args.sat, device=device, trusted=args.trusted_checkpoint)
+    aar_path, sat_path = Path(model_info["aar_path"]), Path(model_info["sat_path"])
+    model_name = f"{aar_path.stem}+{sat_path.stem}"
+    folder = RunFolder(args.out, rank, world)
+    config = {
+        "command": "compare audio",
+        "kind": "audio",
+        "model": model_name,
+        "aar_checkpoint": str(aar_path),
+        "sat_checkpoint": str(sat_path),
+        "aar_sha256": sha256_file(aar_path),
+        "sat_sha256": sha256_file(sat_path),
+        "aar_config": model_info["aar_config"],
+        "sat_config": model_info["sat_config"],
+        "conditioner": conditioner.identity,
+        "conditioner_key": conditioner.key,
+        "seed": args.seed,
+        "sampling": sampling.to_dict(),
+        "residual_window": args.residual_window,
+        "value_group": args.value_group,
+        "protected_layers": list(_parse_layers(args.protected_layers)),
+        "codec_seed": args.codec_seed,
+        "attention": args.attention,
+        "codecs": [s.preset for s in specs],
+        "sample_rate": sat.config.sample_rate,
+        "world_size": world,
+        "clips": [None if p is None else str(p) for p in paths],
+    }
+    manifest = folder.open_manifest(config, identity_keys=(
+        "aar_sha256", "sat_sha256", "conditioner_key", "seed", "sampling", "residual_window", "value_group",
+        "protected_layers", "codec_seed"))
+    run_entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "rank": rank, "world_size": world,
+                 "device": str(device), "codecs": [s.preset for s in specs]}
+    manifest["runs"] = manifest["runs"] + [run_entry]
+    failures = {f["item"]: f for f in manifest.data.get("failures", [])}
+    vers = versions()
+    for pkg in ("soundfile", "soxr", "scipy"):
+        try:
+            import importlib.metadata as md
+
+            vers[pkg] = md.version(pkg)
+        except Exception:
+            vers[pkg] = None
+    stores = {REFERENCE: _make_store(args, aar, None)}
+    stores.update({s.variant: _make_store(args, aar, s) for s in specs})
+    ctx = Context(args, aar, sat, device, folder, model_name, rank, stores, sampling, vers)
+    variants: list[tuple[str, CodecSpec | None]] = [(REFERENCE, None)] + [(s.variant, s) for s in specs]
+
+    mine = shard(len(names), rank, world)
+    per_clip_metrics: dict[str, dict[str, dict[str, Any]]] = {}
+    bar = progress(total=len(mine) * len(variants), desc=f"audio rank {rank}", rank=rank)
+    try:
+        for index in mine:
+            item, path = names[index], paths[index]
+            text = str(path) if path is not None else f"embedding:{item}"
+            records: dict[str, dict[str, Any]] = {}
+            cond = cond_info = None
+            try:
+                for variant, spec in variants:
+                    bar.set_postfix_str(f"{item} / {variant}", refresh=False)
+                    rec = folder.rollout_record(item, variant)
+                    if rec is None:
+                        if cond is None:
+                            cond, cond_info = conditioner.get(item, path, folder.root / "conditions")
+                            if cond_info.get("silent"):
+                                print(f"warning: clip {path} is silent; its CLAP embedding carries no information",
+                                      flush=True)
+                        rec = run_variant(ctx, item, index, text, cond, cond_info, spec)
+                    records[variant] = rec
+                    bar.update(1)
+            except ClipError as err:
+                failures[item] = {"item": item, "item_index": index, "path": text, "error": str(err)}
+                print(f"error: {err} (skipped; other clips go on)", flush=True)
+                bar.update(len(variants) - len(records))
+                manifest["failures"] = list(failures.values())
+                manifest.save()
+                continue
+            failures.pop(item, None)
+            metrics: dict[str, dict[str, Any]] = {}
+            for variant, spec in variants[1:]:
+                try:
+                    metrics[variant] = clip_metrics(folder, item, variant)
+                except ValueError as err:  # e.g. audio too short for the STFT: say so, do not invent numbers
+                    metrics[variant] = {}
+                    print(f"warning: {item}/{variant}: metrics not computed ({err})", flush=True)
+            per_clip_metrics[item] = metrics
+            for variant, rec in records.items():
+                manifest.add_rollout({
+                    "item": item, "item_index": index, "variant": variant, "text": text,
+                    "dir": str(folder.rollout_dir(item, variant).relative_to(folder.root)),
+                    "noise_sha256": rec.get("noise_sha256"), "tokens_sha256": rec.get("tokens_sha256"),
+                    "kv_ratio": rec.get("kv_ratio"), "effective_bits": rec.get("effective_bits"),
+                    "peak_kv_bytes": rec.get("peak_kv_bytes"), "timings": rec.get("timings"),
+                    "metrics": metrics.get(variant),
+                })
+            manifest["failures"] = list(failures.values())
+            manifest.save()
+            bar.write(f"\n{item} ({text})\n{clip_table(records, metrics)}")
+    finally:
+        bar.close()
+    run_entry["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    manifest["failures"] = list(failures.values())
+    manifest.save()
+
+    print(f"\noverall, rank {rank} ({len(per_clip_metrics)} clips; LSD in dB, SNR capped at 120 dB)")
+    print(overall_table(per_clip_metrics, [v for v, _ in variants[1:]]))
+    if failures:
+        print(f"\n{len(failures)} clip(s) failed:")
+        for f in failures.values():
+            print(f"  {f['path']}: {f['error']}")
+        return 1
+    return 0
