@@ -220,6 +220,20 @@ def build(
     return get_codec_class(cfg.name)(cfg, head_dim=head_dim, num_heads=num_heads, layer=layer, seed=seed)
 
 
+def _kernel(codec: "Codec", op: str, device: torch.device):
+    """The Triton kernel for `op` ("encode"/"decode") of this codec on CUDA, else None (torch reference).
+
+    `mmkv.kernels.dispatch.lookup(op, codec)` decides (it also honours MMKV_KERNELS=0); CPU tensors never dispatch.
+    """
+    if device.type != "cuda":
+        return None
+    try:
+        from mmkv.kernels import dispatch
+    except ImportError:
+        return None
+    return dispatch.lookup(op, codec)
+
+
 class Codec:
     """One codec for one layer's K or V. Subclasses implement `_encode` and `_decode` (the torch reference)."""
 
@@ -263,7 +277,8 @@ class Codec:
     # -- public protocol ---------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
         self.check_input(x)
-        enc = self._encode(x.float())
+        kernel = _kernel(self, "encode", x.device)
+        enc = kernel(self, x) if kernel is not None else self._encode(x.float())
         enc.shape = tuple(x.shape)
         enc.dtype = x.dtype
         enc.codec = str(self.config)
@@ -272,6 +287,9 @@ class Codec:
     def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
         if enc.codec != str(self.config):
             raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
+        kernel = _kernel(self, "decode", enc.device)
+        if kernel is not None:
+            return kernel(self, enc, dtype or enc.dtype)
         out = self._decode(enc)
         return out.to(dtype or enc.dtype)
 
