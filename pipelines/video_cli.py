@@ -1,0 +1,242 @@
+"""`mmkv generate video`: render the bf16-cache reference and each codec for every prompt, resumably.
+
+    mmkv generate video --model causvid --ckpt CKPT --base WAN_DIR --prompts prompts/prompts.txt \
+        --codecs octopus:b=3,kivi:bits=2,group=32 --residual-window 1 --seed 0 --out runs/causvid
+
+Per (prompt, variant) it writes RUN/rollouts/pNNNN/<variant>/{frames.npy, latents.safetensors, video.mp4} and last,
+atomically, rollout.json; a rerun skips complete rollouts. Under torchrun each rank takes prompts i with
+i % WORLD_SIZE == RANK and writes its own RUN/manifest.rank{R}.json. The reference and every codec of a prompt draw
+identical noise from a private generator seeded by (seed, prompt index); its SHA-256 is recorded per rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmkv.pipelines.common import (
+    REFERENCE, CodecSpec, NoiseStream, RunError, RunFolder, atomic_path, atomic_save_npy, atomic_save_safetensors,
+    item_name, local_device, parse_codec_list, progress, rank_info, read_prompts, versions,
+)
+from mmkv.pipelines.wan.loop import PRESETS, get_preset
+
+FPS = 16  # CausVid / Causal Forcing export rate (video.md §7)
+FILES = {"frames": "frames.npy", "latents": "latents.safetensors", "video": "video.mp4"}
+# Settings that must not change when resuming into an existing run folder.
+IDENTITY_KEYS = ("model", "seed", "residual_window", "frames", "height", "width", "value_group", "codec_seed",
+                 "prompts_sha256", "protected_layers", "protected_units")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="PRESET",
+                        help=f"inference preset: {', '.join(PRESETS)}")
+    parser.add_argument("--ckpt", required=True, metavar="PATH",
+                        help="CausVid / Causal Forcing checkpoint file, or a directory holding one (model.pt)")
+    parser.add_argument("--ckpt-key", default=None, metavar="KEY",
+                        help="entry of the checkpoint dict to load (default: generator_ema, else generator)")
+    parser.add_argument("--base", required=True, metavar="DIR",
+                        help="base Wan2.1-T2V-1.3B directory (original or diffusers layout): VAE, umT5, tokenizer")
+    parser.add_argument("--prompts", required=True, metavar="FILE",
+                        help="text file, one prompt per line (blank lines and # comments ignored)")
+    parser.add_argument("--codecs", action="append", default=[], metavar="LIST",
+                        help="comma-separated codec presets, e.g. 'octopus:b=3,kivi:bits=2,group=32' (repeatable)")
+    parser.add_argument("--codec", action="append", default=[], metavar="PRESET",
+                        help="one codec preset (repeatable); `K/V` names the key and value codecs explicitly")
+    parser.add_argument("--residual-window", type=int, default=1, metavar="N",
+                        help="newest latent frames kept native per layer (default 1)")
+    parser.add_argument("--value-group", type=int, default=32, help="V group size for paired value codecs")
+    parser.add_argument("--protected-layers", default="", metavar="I,J",
+                        help="layers whose cache stays native (comma-separated, negative from the end)")
+    parser.add_argument("--protected-units", type=int, default=0, metavar="N",
+                        help="first N latent frames of every rollout kept native")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed; prompt i draws from (seed, i)")
+    parser.add_argument("--codec-seed", type=int, default=0, help="seed of codec randomness (rotations)")
+    parser.add_argument("--frames", type=int, default=81, help="pixel frames, 1 + 4k (default 81 = 21 latent)")
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--max-prompts", type=int, default=None, metavar="N", help="only the first N prompts")
+    parser.add_argument("--no-cross-attn-cache", action="store_true",
+                        help="recompute the text K/V on every call instead of once per rollout")
+    parser.add_argument("--device", default=None, help="torch device (default: this rank's GPU, else CPU)")
+    parser.add_argument("--out", required=True, metavar="RUN", help="run folder (created; reruns resume)")
+
+
+def _validate(args: argparse.Namespace) -> tuple[list[str], list[CodecSpec]]:
+    get_preset(args.model)
+    if args.residual_window < 0:
+        raise RunError(f"--residual-window must be >= 0, got {args.residual_window}")
+    prompts = read_prompts(args.prompts)
+    if args.max_prompts is not None:
+        if args.max_prompts < 1:
+            raise RunError(f"--max-prompts must be >= 1, got {args.max_prompts}")
+        prompts = prompts[: args.max_prompts]
+    codecs = parse_codec_list(args.codecs, args.codec, value_group=args.value_group)
+    return prompts, codecs
+
+
+def _check_shapes(args: argparse.Namespace) -> None:
+    from mmkv.pipelines.wan.loaders import base_vae_factors, detect_layout, read_dit_config
+    from mmkv.pipelines.wan.pipeline import make_grid
+
+    base = Path(args.base)
+    cfg = read_dit_config(base, detect_layout(base))
+    t_factor, s_factor = base_vae_factors(base)
+    make_grid(args.frames, args.height, args.width, t_factor=t_factor, s_factor=s_factor,
+              patch_size=cfg["patch_size"], frames_per_block=get_preset(args.model).frames_per_block,
+              rope_max_seq_len=cfg.get("rope_max_seq_len", 1024))
+
+
+def _protected_layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise RunError(f"--protected-layers must be comma-separated ints, got {text!r}") from None
+
+
+def _write_mp4(path: Path, frames: np.ndarray) -> None:
+    """H.264 yuv420p mp4 at 16 fps, for people (metrics read frames.npy) (ecosystem.md §C)."""
+    import imageio.v2 as imageio
+
+    with atomic_path(path) as tmp:
+        writer = imageio.get_writer(
+            tmp, format="FFMPEG", mode="I", fps=FPS, codec="libx264", quality=None, pixelformat="yuv420p",
+            macro_block_size=16, ffmpeg_log_level="error",
+            output_params=["-crf", "18", "-preset", "medium", "-movflags", "+faststart"],
+        )
+        try:
+            for frame in frames:
+                writer.append_data(frame)
+        finally:
+            writer.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts, codecs = _validate(args)
+    protected = _protected_layers(args.protected_layers)
+    rank, world = rank_info()
+    folder = RunFolder(args.out, rank, world)
+    prompt_bytes = "\n".join(prompts).encode()
+    config = {
+        "kind": "video", "model": args.model, "preset": get_preset(args.model).to_dict(),
+        "ckpt": str(Path(args.ckpt).resolve()), "ckpt_key": args.ckpt_key, "base": str(Path(args.base).resolve()),
+        "prompts_file": str(Path(args.prompts).resolve()), "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
+        "num_prompts": len(prompts), "codecs": [c.preset for c in codecs], "residual_window": args.residual_window,
+        "value_group": args.value_group, "protected_layers": list(protected), "protected_units": args.protected_units,
+        "seed": args.seed, "codec_seed": args.codec_seed, "frames": args.frames, "height": args.height,
+        "width": args.width, "cross_attn_cache": not args.no_cross_attn_cache, "rank": rank, "world_size": world,
+        "fps": FPS,
+    }
+    _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
+    manifest = folder.open_manifest(config, identity_keys=IDENTITY_KEYS)
+    variants: list[CodecSpec | None] = [None, *codecs]
+    mine = [i for i in range(len(prompts)) if i % world == rank]
+    todo = [(i, spec) for i in mine for spec in variants
+            if not folder.is_complete(item_name(i), REFERENCE if spec is None else spec.variant)]
+    for i in mine:  # rollouts finished by an earlier run of this rank stay listed
+        for spec in variants:
+            variant = REFERENCE if spec is None else spec.variant
+            record = folder.rollout_record(item_name(i), variant)
+            if record is not None:
+                manifest.add_rollout(_manifest_entry(record))
+    manifest["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "pending": len(todo),
+                             "versions": versions()})
+    manifest.save()
+    if not todo:
+        print(f"rank {rank}: all {len(mine) * len(variants)} rollouts already complete in {folder.root}")
+        return 0
+
+    from mmkv.pipelines.wan.loaders import load_wan
+    from mmkv.pipelines.wan.pipeline import WanVideoPipeline
+
+    device = torch.device(args.device) if args.device else local_device(rank)
+    components = load_wan(args.ckpt, args.base, device=device, ckpt_key=args.ckpt_key)
+    pipe = WanVideoPipeline(components, get_preset(args.model))
+    pipe.dit.state.cache_cross_attn = not args.no_cross_attn_cache
+    grid = pipe.grid(args.frames, args.height, args.width)  # fails before any rollout on a bad resolution
+    manifest["checkpoints"] = components.files
+    manifest["grid"] = grid.to_dict()
+    manifest["device"] = str(device)
+    manifest["dtype"] = str(components.dtype)
+    manifest.save()
+
+    bar = progress(total=len(todo), desc=f"rank {rank} rollouts", rank=rank)
+    contexts: dict[int, torch.Tensor] = {}
+    for index, spec in todo:
+        if index not in contexts:
+            contexts.clear()  # todo is grouped by prompt: keep one prompt's text states at a time
+            t0 = time.perf_counter()
+            contexts[index] = pipe.encode_text([prompts[index]])
+            text_seconds = time.perf_counter() - t0
+        record = _render(pipe, folder, grid, args, index, prompts[index], spec, contexts[index], rank, protected)
+        record["timings"]["text_encode"] = text_seconds
+        folder.write_rollout(record["item"], record["variant"], record)  # last, atomically: marks completion
+        manifest.add_rollout(_manifest_entry(record))
+        manifest.save()
+        bar.update(1)
+    bar.close()
+    return 0
+
+
+def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: CodecSpec | None,
+            context: torch.Tensor, rank: int, protected: tuple[int, ...]) -> dict[str, Any]:
+    item = item_name(index)
+    variant = REFERENCE if spec is None else spec.variant
+    out_dir = folder.rollout_dir(item, variant)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = pipe.c.device
+    store = pipe.make_store(None if spec is None else spec.preset, residual_window=args.residual_window,
+                            value_group=args.value_group, seed=args.codec_seed, protected_layers=protected,
+                            protected_units=args.protected_units)
+    noise = NoiseStream(args.seed, index)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    blocks = progress(total=grid.latent_frames // pipe.preset.frames_per_block, desc=f"{item} {variant}",
+                      rank=rank, leave=False)
+    t0 = time.perf_counter()
+    result = pipe.generate(context, noise, store, grid, on_block=lambda b, n: blocks.update(1))
+    denoise_seconds = time.perf_counter() - t0
+    blocks.close()
+    t1 = time.perf_counter()
+    frames = pipe.decode(result.latents)[0]
+    decode_seconds = time.perf_counter() - t1
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+    atomic_save_npy(out_dir / FILES["frames"], frames)
+    atomic_save_safetensors(out_dir / FILES["latents"], {"latents": result.latents[0].float()},
+                            metadata={"layout": "F,C,H,W", "item": item, "variant": variant})
+    _write_mp4(out_dir / FILES["video"], frames)
+
+    stats = store.stats()
+    if spec is None:
+        effective_bits = 16.0  # the run-folder contract: the reference is the bf16 cache
+    elif stats["k_effective_bits"] is not None:
+        # 8 (K bytes + V bytes) / (K values + V values); K and V hold the same number of values.
+        effective_bits = (stats["k_effective_bits"] + stats["v_effective_bits"]) / 2
+    else:
+        effective_bits = None  # nothing left the residual window
+    return {
+        "kind": "video", "item": item, "item_index": index, "text": prompt, "variant": variant,
+        "preset": None if spec is None else spec.preset,
+        "k_codec": None if spec is None else str(spec.k), "v_codec": None if spec is None else str(spec.v),
+        "bits": None if spec is None else spec.nominal_bits, "effective_bits": effective_bits,
+        "kv_bytes": store.nbytes(), "bf16_kv_bytes": store.bf16_nbytes(),
+        "kv_ratio": None if stats["kv_ratio"] is None else float(stats["kv_ratio"]),
+        "peak_kv_bytes": store.peak_nbytes, "noise_sha256": noise.sha256, "noise_values": noise.count,
+        "seed": args.seed, "model": args.model, "residual_window": args.residual_window,
+        "timings": {"total": denoise_seconds + decode_seconds, "denoise": denoise_seconds,
+                    "per_block": result.block_seconds, "vae_decode": decode_seconds},
+        "peak_memory_bytes": peak, "rank": rank, "files": dict(FILES), "versions": versions(),
+        "grid": grid.to_dict(), "dit_calls": result.calls, "cache": store.manifest(),
+        "frames_shape": list(frames.shape),
+    }
+
+
+def _manifest_entry(record: dict[str, Any]) -> dict[str, Any]:
+    return {"item": record["item"], "variant": record["variant"], "preset": record.get("preset"),
+            "path": f"rollouts/{record['item']}/{record['variant']}", "noise_sha256": record.get("noise_sha256")}

@@ -1,0 +1,205 @@
+"""Flow-matching scheduler, the CausVid / Causal Forcing presets, and the block-autoregressive loop.
+
+The loop is video.md §3.2-3.3: per block of `frames_per_block` latent frames, denoise with the preset's timesteps
+(re-noising the x0 prediction with fresh noise between steps), keep the last x0, then run one `commit` pass on that x0
+at t = `context_noise` (0) so the block's clean K/V enter the cache. Only commit passes reach the store's `append`.
+Every random draw comes from the rollout's `NoiseStream` (initial latents first, then re-noising draws in loop order),
+so the reference and every codec consume identical bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mmkv.pipelines.common import NoiseStream
+from mmkv.pipelines.wan.model import CausalWan
+
+
+class PresetError(ValueError):
+    """Unknown preset or a rollout shape the preset cannot generate."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scheduler (video.md §3.1: DiffSynth FlowMatchScheduler, sigma_min 0, extra_one_step, 1000 grid points)
+
+
+class FlowMatchScheduler:
+    """sigma_i = linspace(1, 0, 1001)[:-1], shifted s*sigma/(1+(s-1)*sigma); timestep = 1000*sigma (float32).
+
+    Lookups use the grid point nearest to t (CV flow_match.py:19-73; CF utils/scheduler.py:106-180).
+    """
+
+    def __init__(self, shift: float, num_train_timesteps: int = 1000):
+        self.shift = float(shift)
+        self.num_train_timesteps = num_train_timesteps
+        sigmas = torch.linspace(1.0, 0.0, num_train_timesteps + 1)[:-1]
+        self.sigmas = self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
+        self.timesteps = self.sigmas * num_train_timesteps
+
+    def warp(self, steps: list[float]) -> list[float]:
+        """`warp_denoising_step`: entry n becomes grid-with-trailing-0[1000 - n] (CF causal_inference.py:28-32)."""
+        grid = torch.cat([self.timesteps, torch.zeros(1)])
+        out = []
+        for n in steps:
+            idx = self.num_train_timesteps - int(n)
+            if not 0 <= idx < len(grid):
+                raise PresetError(f"cannot warp step {n}: expected 0 < step <= {self.num_train_timesteps}")
+            out.append(float(grid[idx]))
+        return out
+
+    def _index(self, t: torch.Tensor) -> torch.Tensor:
+        grid = self.timesteps.to(device=t.device, dtype=t.dtype)
+        return torch.argmin((grid.unsqueeze(0) - t.reshape(-1).unsqueeze(1)).abs(), dim=1)
+
+    def sigma(self, t: float) -> torch.Tensor:
+        """sigma at the grid point nearest to t (float32 scalar tensor)."""
+        return self.sigmas[self._index(torch.tensor([float(t)], dtype=torch.float32))][0]
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
+        """(1 - sigma_t) x0 + sigma_t eps, in float32 with the result in the noise's dtype (flow_match.py:58-73)."""
+        # sigma as a [1,...,1] float32 tensor (not 0-dim) so bf16 latents promote to float32, as in the original.
+        s = self.sigma(t).to(x0.device).reshape([1] * x0.dim())
+        return ((1 - s) * x0 + s * noise).type_as(noise)
+
+    def flow_to_x0(self, flow: torch.Tensor, xt: torch.Tensor, t: float) -> torch.Tensor:
+        """x0 = x_t - sigma_t * flow, in float64 (CV wan_wrapper.py:115-139)."""
+        s = self.sigma(t).double().to(flow.device)
+        return (xt.double() - s * flow.double()).to(flow.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Presets
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One inference recipe: block size, timestep list (before warping), shift, and an optional block-0 list."""
+
+    name: str
+    frames_per_block: int
+    steps: tuple[int, ...]
+    shift: float
+    warp: bool
+    first_block_steps: tuple[int, ...] | None = None
+    context_noise: float = 0.0
+    source: str = ""
+
+    def schedules(self) -> tuple[list[float], list[float]]:
+        """(steps for block 0, steps for later blocks) as model timesteps."""
+        sched = FlowMatchScheduler(self.shift)
+        conv = sched.warp if self.warp else (lambda s: [float(x) for x in s])
+        rest = conv(list(self.steps))
+        first = conv(list(self.first_block_steps)) if self.first_block_steps else rest
+        return first, rest
+
+    def to_dict(self) -> dict:
+        first, rest = self.schedules()
+        return {
+            "name": self.name, "frames_per_block": self.frames_per_block, "steps": list(self.steps),
+            "shift": self.shift, "warp": self.warp,
+            "first_block_steps": list(self.first_block_steps) if self.first_block_steps else None,
+            "context_noise": self.context_noise, "timesteps": rest, "first_block_timesteps": first,
+            "source": self.source,
+        }
+
+
+_CF_4 = (1000, 750, 500, 250)
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("causvid", 3, (1000, 757, 522), 8.0, False,
+               source="CV configs/wan_causal_dmd.yaml (autoregressive_checkpoint)"),
+        Preset("causvid-warp4", 3, _CF_4, 8.0, True, source="CV configs/wan_causal_dmd_warp_4step_cfg2.yaml"),
+        Preset("causal-forcing-chunk", 3, _CF_4, 5.0, True, source="CF configs/causal_forcing_dmd_chunkwise.yaml"),
+        Preset("causal-forcing-frame", 1, _CF_4, 5.0, True, source="CF configs/causal_forcing_dmd_framewise.yaml"),
+        Preset("causal-forcing-frame-2step", 1, (1000, 500), 5.0, True, first_block_steps=_CF_4,
+               source="CF configs/causal_forcing_dmd_framewise_2step.yaml (Causal Forcing++)"),
+        Preset("causal-forcing-frame-1step", 1, (1000,), 5.0, True, first_block_steps=_CF_4,
+               source="CF configs/causal_forcing_dmd_framewise_1step.yaml (Causal Forcing++)"),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise PresetError(f"unknown video model preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The block loop
+
+
+@dataclass
+class RolloutResult:
+    latents: torch.Tensor  # [B, F, C, H, W], model dtype
+    block_seconds: list[float] = field(default_factory=list)
+    calls: int = 0
+
+
+def rollout(
+    model: CausalWan,
+    preset: Preset,
+    context: torch.Tensor,
+    noise: NoiseStream,
+    *,
+    num_frames: int,
+    latent_height: int,
+    latent_width: int,
+    batch_size: int = 1,
+    on_block: Callable[[int, int], None] | None = None,
+) -> RolloutResult:
+    """Generate `num_frames` latent frames block by block. The caller attaches the KV store around this call.
+
+    `on_block(block_index, num_blocks)` is called after each block (progress bars).
+    """
+    fpb = preset.frames_per_block
+    if num_frames < 1 or num_frames % fpb:
+        raise PresetError(
+            f"preset {preset.name!r} generates blocks of {fpb} latent frame(s); {num_frames} latent frames is not a "
+            f"multiple (pixel frames = 1 + 4*(latent frames - 1))"
+        )
+    first_steps, steps = preset.schedules()
+    sched = FlowMatchScheduler(preset.shift)
+    device, dtype = model.device, model.dtype
+    shape = (batch_size, num_frames, model.in_channels, latent_height, latent_width)
+    model.reset()
+    x_init = noise.randn(*shape, device=device, dtype=dtype)  # one draw for the whole video (CV/CF)
+    out = torch.empty(shape, device=device, dtype=dtype)
+    result = RolloutResult(latents=out)
+    num_blocks = num_frames // fpb
+    for b in range(num_blocks):
+        t0 = time.perf_counter()
+        s = b * fpb
+        block_steps = first_steps if b == 0 else steps
+        x = x_init[:, s:s + fpb]
+        for i, t in enumerate(block_steps):
+            flow = model(x, t, context, start_frame=s, mode="denoise")
+            x0 = sched.flow_to_x0(flow, x, t)
+            result.calls += 1
+            if i + 1 < len(block_steps):
+                eps = noise.randn(*x0.shape, device=device, dtype=dtype)  # fresh noise each step (§3.2)
+                x = sched.add_noise(x0, eps, block_steps[i + 1])
+        out[:, s:s + fpb] = x0
+        # Cache pass on the clean block: its output is discarded, its K/V are what later blocks see.
+        model(x0, preset.context_noise, context, start_frame=s, mode="commit")
+        result.calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result.block_seconds.append(time.perf_counter() - t0)
+        if on_block is not None:
+            on_block(b, num_blocks)
+    return result
+
+
+def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool [L, L]: a query in block j may attend keys of blocks <= j (video.md §2.4; CV causal_model.py:414-455)."""
+    block = torch.arange(num_frames, device=device) // frames_per_block
+    block = block.repeat_interleave(tokens_per_frame)
+    return block.unsqueeze(1) >= block.unsqueeze(0)

@@ -1,0 +1,275 @@
+"""The causal Wan2.1 DiT: diffusers' `WanTransformer3DModel` with frame-offset RoPE and causal attention processors.
+
+Option A of video.md §6.6. The diffusers model is used unchanged except for three swaps, all done at construction:
+* `transformer.rope` becomes `OffsetRoPE`, whose temporal positions start at the current block's first latent frame
+  (video.md §2.3; CV causal_model.py:27-54). Its cos/sin tables are plain float64 attributes, not buffers, so casting
+  the model to bf16 leaves them exact (the original keeps `freqs` as a plain attribute for the same reason).
+* every `blocks[i].attn1` gets `CausalSelfAttnProcessor` and the attribute `mmkv_layer = i`, so that
+  `KVStore.attach(transformer)` hands it the store (`attn.mmkv_store`). In `denoise` mode a call attends over
+  [stored past | current block] and stores nothing; in `commit` mode it attends the same way and then appends the
+  block's post-RoPE K and raw V to the store, which encodes frames that leave the residual window (video.md §4.2-4.3).
+  `full` mode attends within the call only, with an optional mask: the block-causal recompute of video.md §4.4.
+* every `blocks[i].attn2` gets `CrossAttnProcessor`, which can keep the per-prompt text K/V (video.md §2.6).
+
+Both processors normalise q/k in float32 and cast back, like the original `WanRMSNorm` (GF model_patches.py does the
+same for parity), and rotate in float64 like the original complex128 RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("denoise", "commit", "full")
+
+
+class ModelError(ValueError):
+    """Bad input to the causal DiT (shape, frame offset, missing store); the message says what was expected."""
+
+
+@dataclass
+class CausalState:
+    """Per-call facts shared by the RoPE module and every processor (diffusers does not forward kwargs to blocks)."""
+
+    start_frame: int = 0  # absolute latent-frame index of the first frame in this call
+    num_frames: int = 0  # latent frames in this call (the commit pass appends this many units)
+    mode: str = "denoise"
+    attn_mask: torch.Tensor | None = None  # `full` mode only: bool [L, L], True = may attend
+    cache_cross_attn: bool = True
+    cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RoPE with a frame offset
+
+
+class OffsetRoPE(nn.Module):
+    """Wan's 3D RoPE (t/h/w split of `head_dim`) whose time index starts at `state.start_frame`."""
+
+    def __init__(self, state: CausalState, head_dim: int, patch_size: tuple[int, int, int], max_seq_len: int,
+                 theta: float = 10000.0):
+        super().__init__()
+        from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+        self.state = state
+        self.patch_size = tuple(patch_size)
+        self.max_seq_len = max_seq_len
+        # Same split as diffusers' WanRotaryPosEmbed (transformer_wan.py:368) and the original (model.py:29-36).
+        self.h_dim = self.w_dim = 2 * (head_dim // 6)
+        self.t_dim = head_dim - self.h_dim - self.w_dim
+        cos, sin = [], []
+        for dim in (self.t_dim, self.h_dim, self.w_dim):
+            c, s = get_1d_rotary_pos_embed(dim, max_seq_len, theta, use_real=True, repeat_interleave_real=True,
+                                           freqs_dtype=torch.float64)
+            cos.append(c)
+            sin.append(s)
+        # Plain attributes (not buffers): model.to(bfloat16) must not round the tables.
+        self._cos = [c.double() for c in cos]
+        self._sin = [s.double() for s in sin]
+        self._device_tables: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def _tables(self, device: torch.device):
+        if device not in self._device_tables:
+            self._device_tables[device] = ([c.to(device) for c in self._cos], [s.to(device) for s in self._sin])
+        return self._device_tables[device]
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.patch_size
+        ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
+        s = self.state.start_frame
+        if s < 0 or s + ppf > self.max_seq_len or max(pph, ppw) > self.max_seq_len:
+            raise ModelError(
+                f"RoPE positions out of range: frames [{s}, {s + ppf}) and a {pph}x{ppw} token grid, but the table "
+                f"has {self.max_seq_len} positions (rope_max_seq_len)"
+            )
+        cos, sin = self._tables(hidden_states.device)
+
+        def grid(tables):
+            t = tables[0][s:s + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1)
+            h = tables[1][:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1)
+            w = tables[2][:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)
+            return torch.cat([t, h, w], dim=-1).reshape(1, ppf * pph * ppw, 1, -1)
+
+        return grid(cos), grid(sin)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of x [B, L, H, D] by the float64 tables [1, L, 1, D]; cast back to x's dtype."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The original WanRMSNorm: normalise in float32, cast back, then scale (CV model.py WanRMSNorm.forward)."""
+    xf = x.float()
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = y.type_as(x)
+    return y * norm.weight if norm.weight is not None else y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention processors
+
+
+class CausalSelfAttnProcessor:
+    """Self-attention over [stored past | current block] through `attn.mmkv_store` (video.md §4.2)."""
+
+    def __init__(self, state: CausalState, layer: int):
+        self.state = state
+        self.layer = layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        state = self.state
+        q = rms_norm(attn.norm_q, attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        k = rms_norm(attn.norm_k, attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            q = apply_rope(q, *rotary_emb)
+            k = apply_rope(k, *rotary_emb)
+        # [B, L, H, D] -> [B, H, L, D]: the store's layout. K is post-RoPE, V raw (video.md §4.1).
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if state.mode == "full":
+            mask = state.attn_mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            store = getattr(attn, "mmkv_store", None)
+            if store is None:
+                raise ModelError(
+                    f"layer {self.layer}: mode {state.mode!r} needs a KV store; run inside `with store.attach(model)`"
+                )
+            out = store.attend(self.layer, q, k_cur=k, v_cur=v)
+            if state.mode == "commit":
+                # Only the clean (t = context_noise) pass persists; denoising writes are transient (video.md §3.2).
+                store.append(self.layer, k, v, num_units=state.num_frames)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+class CrossAttnProcessor:
+    """Text cross-attention; with `state.cache_cross_attn` the text K/V are computed once per rollout (§2.6)."""
+
+    def __init__(self, state: CausalState, layer: int):
+        self.state = state
+        self.layer = layer
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is None:
+            raise ModelError(f"layer {self.layer}: cross-attention needs the text embedding")
+        state = self.state
+        q = rms_norm(attn.norm_q, attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        cached = state.cross_kv.get(self.layer) if state.cache_cross_attn else None
+        if cached is None:
+            k = rms_norm(attn.norm_k, attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+            v = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+            if state.cache_cross_attn:
+                state.cross_kv[self.layer] = (k, v)
+        else:
+            k, v = cached
+        out = F.scaled_dot_product_attention(q, k, v)  # no mask: padding positions are zeros (§2.6)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(q)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The wrapper
+
+
+class CausalWan(nn.Module):
+    """A `WanTransformer3DModel` turned causal. Latents in and flow out are [B, F, C, H, W] (frame-major, like the
+    original repos); diffusers' own layout [B, C, F, H, W] stays inside."""
+
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        from diffusers import WanTransformer3DModel
+
+        if not isinstance(transformer, WanTransformer3DModel):
+            raise ModelError(f"expected a diffusers WanTransformer3DModel, got {type(transformer).__name__}")
+        cfg = transformer.config
+        if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
+            raise ModelError("image-conditioned Wan (I2V, image_dim / added_kv_proj_dim set) is not supported")
+        self.transformer = transformer
+        self.state = CausalState()
+        self.num_layers = cfg.num_layers
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.attention_head_dim
+        self.in_channels = cfg.in_channels
+        self.patch_size = tuple(cfg.patch_size)
+        transformer.rope = OffsetRoPE(self.state, self.head_dim, self.patch_size, cfg.rope_max_seq_len)
+        for i, block in enumerate(transformer.blocks):
+            block.attn1.mmkv_layer = i
+            block.attn1.set_processor(CausalSelfAttnProcessor(self.state, i))
+            block.attn2.set_processor(CrossAttnProcessor(self.state, i))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.patch_embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.patch_embedding.weight.device
+
+    @property
+    def config(self) -> Any:
+        return self.transformer.config
+
+    def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
+        """Tokens per latent frame, from the latent grid and the patch size (1560 for 60x104 latents)."""
+        _, p_h, p_w = self.patch_size
+        return (latent_height // p_h) * (latent_width // p_w)
+
+    def reset(self) -> None:
+        """Forget the per-prompt cross-attention K/V (call at the start of every rollout)."""
+        self.state.cross_kv.clear()
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor | float, context: torch.Tensor, *,
+                start_frame: int = 0, mode: str = "denoise", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow prediction for `latents` [B, F, C, H, W] at absolute frames [start_frame, start_frame + F).
+
+        `timestep` is a float / [B] (one value per sample) or [B, F] (one per frame, expanded to tokens).
+        """
+        if mode not in MODES:
+            raise ModelError(f"unknown mode {mode!r}; expected one of {MODES}")
+        if latents.dim() != 5:
+            raise ModelError(f"latents must be [B, F, C, H, W], got shape {tuple(latents.shape)}")
+        b, f, c, h, w = latents.shape
+        if c != self.in_channels:
+            raise ModelError(f"latents have {c} channels, the model takes {self.in_channels}")
+        p_t, p_h, p_w = self.patch_size
+        if f % p_t or h % p_h or w % p_w:
+            raise ModelError(f"latent grid {f}x{h}x{w} is not divisible by the patch size {self.patch_size}")
+        t = torch.as_tensor(timestep, device=latents.device, dtype=torch.float32)
+        if t.dim() == 0:
+            t = t.expand(b)
+        elif t.dim() == 2:
+            if t.shape != (b, f):
+                raise ModelError(f"per-frame timestep must be [B, F] = [{b}, {f}], got {tuple(t.shape)}")
+            if p_t != 1:
+                raise ModelError(f"per-frame timesteps need a temporal patch size of 1, got {p_t}")
+            # Per-token timesteps (diffusers' 2D `timestep`, transformer_wan.py:677-690).
+            t = t.repeat_interleave(self.tokens_per_frame(h, w), dim=1)
+        self.state.start_frame = int(start_frame)
+        self.state.num_frames = f // p_t
+        self.state.mode = mode
+        self.state.attn_mask = attn_mask
+        try:
+            out = self.transformer(
+                hidden_states=latents.permute(0, 2, 1, 3, 4),
+                timestep=t,
+                encoder_hidden_states=context,
+                return_dict=False,
+            )[0]
+        finally:
+            self.state.attn_mask = None
+        return out.permute(0, 2, 1, 3, 4)

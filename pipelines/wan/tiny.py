@@ -1,0 +1,252 @@
+"""Tiny configurations of the real architecture (video.md §8), for tests and the offline demo.
+
+Every code path of the 1.3B model at CPU speed: 2 heads x head_dim 12 (RoPE t/h/w = 4/4/4), 2 layers, a non-square
+2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise blocking, a real (small) Wan VAE with the 1.3B
+layout (dim_mult [1,2,4,4], 2 res blocks: the original-format converter stays valid), a small umT5 encoder and a
+character-level tokenizer built with `tokenizers` (no sentencepiece model to download). Weights are drawn from a
+private generator with fan-in scaling so activations are O(1) and the head is not zero (the original zero-inits it,
+video.md §2.1). `write_tiny_base` writes a base directory in either layout; `write_causvid_checkpoint` and
+`write_causal_forcing_checkpoint` write the DiT in the two training-checkpoint wrappers (§5.3-5.4).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmkv.codecs.base import private_generator
+from mmkv.pipelines.wan.loaders import dit_key_to_original
+
+TINY_DIT: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 32,
+    "freq_dim": 256,
+    "ffn_dim": 48,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 64,
+}
+TINY_TEXT_LEN = 16
+TINY_VAE: dict[str, Any] = {
+    "base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+}
+TINY_T5: dict[str, Any] = {
+    "vocab_size": 256, "d_model": 32, "d_kv": 8, "num_heads": 4, "d_ff": 64, "num_layers": 2,
+    "relative_attention_num_buckets": 8, "relative_attention_max_distance": 128, "feed_forward_proj": "gated-gelu",
+    "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6,
+}
+# Pixels 33 x 32 x 48 -> latents 9 x 4 x 6 -> 6 tokens per frame (chunk-wise: 3 blocks of 3 frames).
+TINY_VIDEO = {"frames": 33, "height": 32, "width": 48}
+
+
+@torch.no_grad()
+def reinit_(module: torch.nn.Module, seed: int, stream: str) -> torch.nn.Module:
+    """Deterministic O(1) weights from a private generator: matrices N(0, 1/fan_in), embedding tables N(0, 1),
+    modulation tables N(0, 1/dim), norm scales 1 + 0.1 N(0, 1), biases 0.1 N(0, 1)."""
+    g = private_generator(seed, "tiny", stream)
+    for name, p in module.named_parameters():
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        leaf = name.rsplit(".", 1)[-1]
+        if ("norm" in name or leaf == "gamma") and leaf in ("weight", "gamma"):
+            p.copy_(1 + 0.1 * noise)
+        elif p.dim() < 2:
+            p.copy_(0.1 * noise)
+        elif "scale_shift_table" in name:
+            p.copy_(noise / p.shape[-1] ** 0.5)
+        elif name in ("shared.weight", "encoder.embed_tokens.weight") or "relative_attention_bias" in name:
+            p.copy_(noise)
+        else:
+            p.copy_(noise / p[0].numel() ** 0.5)
+    return module
+
+
+def tiny_transformer(seed: int = 0, config: dict[str, Any] | None = None):
+    """A diffusers WanTransformer3DModel of the tiny config with deterministic weights (fp32, CPU)."""
+    from diffusers import WanTransformer3DModel
+
+    return reinit_(WanTransformer3DModel(**(config or TINY_DIT)), seed, "dit").eval()
+
+
+def tiny_dit(seed: int = 0, config: dict[str, Any] | None = None):
+    from mmkv.pipelines.wan.model import CausalWan
+
+    return CausalWan(tiny_transformer(seed, config))
+
+
+def original_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """The DiT weights under original Wan key names (the inverse of video.md §5.5)."""
+    return {dit_key_to_original(k): v.detach().clone() for k, v in transformer.state_dict().items()}
+
+
+def write_causvid_checkpoint(transformer, path: str | Path) -> Path:
+    """CausVid `model.pt`: {"generator": {"model." + key}, "critic": {...}} (video.md §5.3)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sd = original_state_dict(transformer)
+    critic = {"model." + k: torch.randn_like(v) for k, v in list(sd.items())[:3]}  # ignored by the loader
+    torch.save({"generator": {"model." + k: v for k, v in sd.items()}, "critic": critic}, path)
+    return path
+
+
+def write_causal_forcing_checkpoint(transformer, path: str | Path, *, ema: bool = True) -> Path:
+    """Causal Forcing `.pt`: one entry, `generator_ema` with FSDP path segments, or `generator` (video.md §5.4)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sd = original_state_dict(transformer)
+    if ema:
+        obj = {"generator_ema": {"model._fsdp_wrapped_module." + k: v for k, v in sd.items()}}
+    else:
+        obj = {"generator": {"model." + k: v for k, v in sd.items()}}
+    torch.save(obj, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# VAE, text encoder, tokenizer
+
+
+def tiny_vae(seed: int = 0):
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(**TINY_VAE)
+    return reinit_(vae, seed, "vae").eval()
+
+
+def tiny_text_encoder(seed: int = 0):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    enc = UMT5EncoderModel(UMT5Config(**TINY_T5))
+    reinit_(enc, seed, "t5")
+    enc.tie_weights()
+    return enc.eval()
+
+
+def tiny_tokenizer(text_len: int = TINY_TEXT_LEN):
+    """A character-level fast tokenizer with the T5 call contract: pad 0, eos 1 appended, unk 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for c in sorted(set(string.printable) - set(string.whitespace)):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=text_len)
+
+
+def vae_diffusers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of diffusers' `convert_wan_vae_to_diffusers` for the 1.3B layout (tests round-trip it)."""
+    import re
+
+    fixed = {
+        "encoder.conv_in.": "encoder.conv1.", "decoder.conv_in.": "decoder.conv1.",
+        "encoder.norm_out.gamma": "encoder.head.0.gamma", "encoder.conv_out.": "encoder.head.2.",
+        "decoder.norm_out.gamma": "decoder.head.0.gamma", "decoder.conv_out.": "decoder.head.2.",
+        "quant_conv.": "conv1.", "post_quant_conv.": "conv2.",
+    }
+    res = {".norm1.gamma": ".residual.0.gamma", ".conv1.": ".residual.2.", ".norm2.gamma": ".residual.3.gamma",
+           ".conv2.": ".residual.6.", ".conv_shortcut.": ".shortcut."}
+    out = {}
+    for key, value in sd.items():
+        k = key
+        for a, b in fixed.items():
+            if k.startswith(a) or (a.startswith(("quant", "post")) and k.startswith(a)):
+                k = b + k[len(a):]
+                break
+        if m := re.match(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.+)", k):
+            k = f"{m[1]}.middle.{2 * int(m[2])}.{m[3]}"
+            for a, b in res.items():
+                k = k.replace(a, b)
+        elif m := re.match(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)", k):
+            k = f"{m[1]}.middle.1.{m[2]}"
+        elif m := re.match(r"encoder\.down_blocks\.(\d+)\.(.+)", k):
+            rest = m[2]
+            for a, b in res.items():
+                rest = rest.replace(a, b)
+            k = f"encoder.downsamples.{m[1]}.{rest}"
+        elif m := re.match(r"decoder\.up_blocks\.(\d)\.resnets\.(\d)\.(.+)", k):
+            rest = "." + m[3]
+            for a, b in res.items():
+                rest = rest.replace(a, b)
+            k = f"decoder.upsamples.{4 * int(m[1]) + int(m[2])}{rest}"
+        elif m := re.match(r"decoder\.up_blocks\.(\d)\.upsamplers\.0\.(.+)", k):
+            k = f"decoder.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
+        out[k] = value
+    return out
+
+
+def t5_transformers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of the umT5 mapping of video.md §5.7 (the tied `encoder.embed_tokens` copy is dropped)."""
+    import re
+
+    rules = [
+        (r"shared\.weight", "token_embedding.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight", r"blocks.\1.norm1.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.(q|k|v|o)\.weight", r"blocks.\1.attn.\2.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
+         r"blocks.\1.pos_embedding.embedding.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight", r"blocks.\1.norm2.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_0\.weight", r"blocks.\1.ffn.gate.0.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_1\.weight", r"blocks.\1.ffn.fc1.weight"),
+        (r"encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wo\.weight", r"blocks.\1.ffn.fc2.weight"),
+        (r"encoder\.final_layer_norm\.weight", "norm.weight"),
+    ]
+    out = {}
+    for key, value in sd.items():
+        if key == "encoder.embed_tokens.weight":
+            continue
+        for pat, tmpl in rules:
+            if re.match(pat + "$", key):
+                out[re.sub(pat + "$", tmpl, key)] = value.detach().clone()
+                break
+        else:
+            raise KeyError(f"no original name for umT5 key {key!r}")
+    return out
+
+
+def write_tiny_base(path: str | Path, layout: str = "diffusers", seed: int = 0) -> Path:
+    """A base Wan directory with the tiny VAE, umT5 encoder, tokenizer and DiT config, in either layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vae, enc, tok = tiny_vae(seed), tiny_text_encoder(seed), tiny_tokenizer()
+    if layout == "diffusers":
+        vae.save_pretrained(path / "vae")
+        enc.save_pretrained(path / "text_encoder")
+        tok.save_pretrained(path / "tokenizer")
+        (path / "transformer").mkdir(exist_ok=True)
+        cfg = {"_class_name": "WanTransformer3DModel", **{k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in TINY_DIT.items()}, "text_len": TINY_TEXT_LEN}
+        (path / "transformer" / "config.json").write_text(json.dumps(cfg, indent=2))
+        (path / "model_index.json").write_text(json.dumps({
+            "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLWan"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "tokenizer": ["transformers", "T5TokenizerFast"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        }, indent=2))
+    elif layout == "original":
+        torch.save(vae_diffusers_to_original(vae.state_dict()), path / "Wan2.1_VAE.pth")
+        torch.save(t5_transformers_to_original(enc.state_dict()), path / "models_t5_umt5-xxl-enc-bf16.pth")
+        tok.save_pretrained(path / "google" / "umt5-xxl")
+        d = TINY_DIT
+        cfg = {"_class_name": "WanModel", "dim": d["num_attention_heads"] * d["attention_head_dim"],
+               "eps": d["eps"], "ffn_dim": d["ffn_dim"], "freq_dim": d["freq_dim"], "in_dim": d["in_channels"],
+               "model_type": "t2v", "num_heads": d["num_attention_heads"], "num_layers": d["num_layers"],
+               "out_dim": d["out_channels"], "text_len": TINY_TEXT_LEN,
+               # absent from the real config.json (defaults 4096 / 1024); the tiny model needs them
+               "text_dim": d["text_dim"], "rope_max_seq_len": d["rope_max_seq_len"]}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    else:
+        raise ValueError(f"layout must be 'diffusers' or 'original', got {layout!r}")
+    return path
