@@ -11,7 +11,8 @@ design: E_S ||k_hat - k||^2 = ((pi/2) d - 1)/m * ||k||^2, about 0.78 ||k||^2 at 
 
 S is plain i.i.d. Gaussian (Def. 3.1), which makes the estimator exactly unbiased; the official code orthogonalises
 S by QR in 128-row chunks and rescales rows to sqrt(d), which lowers variance but leaves an O(1/d) bias. The
-outlier-channel split of the official code (codecs.md 4.2) is not part of this codec (docs/decisions.d/turboquant_qjl.md).
+outlier-channel split of the official code (codecs.md 4.2) is not part of this codec
+(docs/decisions.d/turboquant_qjl.md).
 
 Stored per row of T tokens: `signs` (1-bit, one dense bit stream over T*m signs, bit 1 = +1) and `norm` (fp32 by
 default, fp16 optionally). Bits per key: m + 32 = bits*d + 32 (or + 16).
@@ -85,4 +86,5 @@ class QJLCodec(Codec):
         """sqrt(pi/2)/m * nu * <S q, z>: q[..., Tq, D] -> [..., Tq, T] (fp32), the QJL paper's estimator."""
         check_heads(self, q)
         sq = self.project(q.float())
-        return self.scale * enc.tensors["norm"].float().unsqueeze(-2) * torch.matmul(sq, self._signs(enc).transpose(-1, -2))
+        inner = torch.matmul(sq, self._signs(enc).transpose(-1, -2))  # <S q, z>
+        return self.scale * enc.tensors["norm"].float().unsqueeze(-2) * inner

@@ -82,7 +82,6 @@ class ScalarQuantizer:
 
     def __init__(self, centroids: torch.Tensor):
         self.centroids = centroids.to(torch.float32)
-        self.bits = int(round(math.log2(centroids.numel())))
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +115,8 @@ def store_norm(norm: torch.Tensor, bits: int, where: str) -> torch.Tensor:
     """Norms in the stored dtype (fp32, or fp16 after checking they fit: codecs.md A2, never bf16)."""
     if bits == 16 and norm.numel() and float(norm.max()) > _FP16_MAX:
         raise CodecError(
-            f"{where}: a vector norm of {float(norm.max()):.4g} does not fit an fp16 norm (max {_FP16_MAX}); use norm=32"
+            f"{where}: a vector norm of {float(norm.max()):.4g} does not fit an fp16 norm (max {_FP16_MAX}); "
+            "use norm=32"
         )
     return norm.to(_NORM_DTYPES[bits]).contiguous()
 
@@ -165,7 +165,8 @@ class TurboQuantMSECodec(Codec):
         if not isinstance(hi, int) or isinstance(hi, bool) or not 0 <= hi <= d:
             raise CodecError(f"codec {self.name!r}: hi={hi!r} must be an int in 0..{d} (coordinates at b+1 bits)")
         if hi and self.b == CODEBOOK_BITS[-1]:
-            raise CodecError(f"codec {self.name!r}: hi > 0 needs b <= {CODEBOOK_BITS[-1] - 1} (b+1 bits is at most {CODEBOOK_BITS[-1]})")
+            top = CODEBOOK_BITS[-1]
+            raise CodecError(f"codec {self.name!r}: hi > 0 needs b <= {top - 1} (b+1 bits is at most {top})")
         self.hi = hi
         self.lo_q = ScalarQuantizer(codebook(d, self.b))
         self.hi_q = ScalarQuantizer(codebook(d, self.b + 1)) if self.hi else None

@@ -108,7 +108,8 @@ class TurboQuantProdCodec(Codec):
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         coef = (self.qjl_scale * enc.tensors["rnorm"].float()).unsqueeze(-1)
-        unit = self.rotation.inverse(self._mse_rotated(enc)) + coef * torch.matmul(self._signs(enc), self._s(enc.device))
+        qjl = torch.matmul(self._signs(enc), self._s(enc.device))  # S^T qjl
+        unit = self.rotation.inverse(self._mse_rotated(enc)) + coef * qjl
         return enc.tensors["norm"].float().unsqueeze(-1) * unit
 
     def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
