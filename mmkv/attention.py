@@ -34,8 +34,9 @@ from mmkv.codecs.base import Codec, Encoded
 
 BACKENDS = ("auto", "reference", "decode")
 
-# Rows of queries attended at once on the explicit (score / log-sum-exp) path, to bound the [Tq, Tk] score scratch.
-_Q_CHUNK = 2048
+# Score elements per query chunk on the explicit (score / log-sum-exp) path: bounds the fp32 [.., Tq, Tk] score
+# scratch to 32 MiB per tile (a whole 4680-query video block over 6240 keys x 12 heads would be 1.4 GB).
+_SCORE_ELEMENTS = 1 << 23
 
 
 class AttentionError(ValueError):
@@ -129,7 +130,7 @@ def attention_lse(
     """Exact attention in fp32 (fp64 if given fp64) and its log-sum-exp: (out [.., Tq, Dv], lse [.., Tq])."""
     acc = torch.promote_types(q.dtype, torch.float32)
     kt = k.to(acc).transpose(-1, -2)
-    return _chunked(q, lambda qc: torch.matmul(qc.to(acc), kt) * scale, v.to(acc))
+    return _chunked(q, k.shape[-2], lambda qc: torch.matmul(qc.to(acc), kt).mul_(scale), v.to(acc))
 
 
 def scores_lse(
@@ -139,19 +140,20 @@ def scores_lse(
 
     def score(qc: torch.Tensor) -> torch.Tensor:
         s = codec.scores(qc, enc).float()
-        return (s[..., skip_tokens:] if skip_tokens else s) * scale
+        return (s[..., skip_tokens:] if skip_tokens else s) * scale  # a fresh tensor: _chunked works in place
 
-    return _chunked(q, score, v.float())
+    return _chunked(q, enc.shape[-2], score, v.float())
 
 
 def _chunked(
-    q: torch.Tensor, score: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor
+    q: torch.Tensor, keys: int, score: Callable[[torch.Tensor], torch.Tensor], v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = max(1, _SCORE_ELEMENTS // max(1, math.prod(q.shape[:-2]) * keys))
     outs, lses = [], []
-    for start in range(0, q.shape[-2], _Q_CHUNK):
-        s = score(q[..., start : start + _Q_CHUNK, :])
+    for start in range(0, q.shape[-2], rows):
+        s = score(q[..., start : start + rows, :])
         lse = torch.logsumexp(s, dim=-1)
-        outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v))
+        outs.append(torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v))
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 

@@ -41,6 +41,44 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _codec_state_nbytes(codecs: list[Codec]) -> int:
+    """Bytes of the codecs' per-layer constants (rotation signs, codebooks, JL sketches, per-device copies).
+
+    Uses `codec.state_nbytes()` where a codec defines it, else walks the instance's tensor attributes (dicts, lists and
+    helper objects three levels down), counting each storage once.
+    """
+    seen: set[tuple[str, int]] = set()
+    total = 0
+
+    def walk(obj: Any, depth: int) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            key = (str(obj.device), obj.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+            return
+        if depth == 0:
+            return
+        if isinstance(obj, dict):
+            items = list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            items = list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, CodecConfig, torch.dtype)):
+            items = list(vars(obj).values())
+        else:
+            return
+        for item in items:
+            walk(item, depth - 1)
+
+    for codec in codecs:
+        if hasattr(codec, "state_nbytes"):
+            total += int(codec.state_nbytes())
+        else:
+            walk(codec, 3)
+    return total
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Config
 
@@ -102,9 +140,12 @@ class CacheConfig:
         )
         need(self.attention in attention.BACKENDS, f"attention must be one of {attention.BACKENDS}", self.attention)
         layers = self.protected_layers
-        if isinstance(layers, (int, str)) or not all(_is_int(x) for x in (layers or ())):
+        if layers is None or isinstance(layers, (int, str)):
             raise KVCacheError(f"CacheConfig: protected_layers must be a sequence of ints, got {layers!r}")
-        object.__setattr__(self, "protected_layers", tuple(sorted(set(layers or ()))))
+        layers = tuple(layers)
+        if not all(_is_int(x) for x in layers):
+            raise KVCacheError(f"CacheConfig: protected_layers must be a sequence of ints, got {layers!r}")
+        object.__setattr__(self, "protected_layers", tuple(sorted(set(layers))))
         need(
             self.codec is None or isinstance(self.codec, (str, CodecConfig)),
             "codec must be a preset string, a CodecConfig or None",
@@ -480,7 +521,7 @@ class KVStore:
         # [past | current] plus one encoded segment's decode (shape arithmetic, not an allocator reading).
         ref_batch = st.batch if st.batch is not None else k_cur.shape[0]
         ref_dtype = st.dtype if st.dtype is not None else k_cur.dtype
-        per_token = 2 * ref_batch * self.num_heads * self.head_dim * torch.empty((), dtype=ref_dtype).element_size()
+        per_token = 2 * ref_batch * self.num_heads * self.head_dim * ref_dtype.itemsize
         total = sum(s.num_tokens for s in segs) + (0 if k_cur is None else k_cur.shape[2])
         biggest = max((s.k_enc.shape[-2] for s in segs if s.encoded), default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
@@ -556,6 +597,9 @@ class KVStore:
             "peak_nbytes": self._peak,
             "scratch_peak_nbytes": self._scratch_peak,
             "kv_ratio": None if math.isnan(ratio) else ratio,
+            # per-layer codec constants, independent of context length and rebuilt from the seed: reported, not in
+            # nbytes (a fused kernel keeps them resident, so quote them next to KV× at short contexts)
+            "codec_state_nbytes": _codec_state_nbytes([c for c in self._k_codecs + self._v_codecs if c is not None]),
             # bits per encoded K (V) element, side information included; None until something is encoded
             "k_effective_bits": 8.0 * k_enc / numel if numel else None,
             "v_effective_bits": 8.0 * v_enc / numel if numel else None,
@@ -583,6 +627,7 @@ class KVStore:
             "k_payload_nbytes": stats["k_payload_nbytes"],
             "v_payload_nbytes": stats["v_payload_nbytes"],
             "native_nbytes": stats["native_nbytes"],
+            "codec_state_nbytes": stats["codec_state_nbytes"],
             "k_effective_bits": stats["k_effective_bits"],
             "v_effective_bits": stats["v_effective_bits"],
             "effective_bits": stats["effective_bits"],

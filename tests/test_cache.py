@@ -239,6 +239,8 @@ def test_nbytes_counts_what_is_held(codec):
         assert store.kv_ratio == pytest.approx(store.bf16_nbytes() / held)
     stats = store.stats()
     assert stats["k_payload_nbytes"] + stats["v_payload_nbytes"] + stats["native_nbytes"] == store.nbytes()
+    if codec in (None, "identity"):
+        assert stats["codec_state_nbytes"] == 0  # nothing per layer besides the units themselves
     if codec is None:
         assert store.kv_ratio == 1.0  # bf16 in, bf16 held
     elif codec != "identity":

@@ -1,0 +1,166 @@
+"""`mmkv.attention`: exact log-sum-exp merging, the gather, the score-estimator path and the kernel seam."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmkv.attention as attn
+import mmkv.codecs as codecs
+from mmkv.attention import AttentionError, Segment
+from mmkv.codecs.base import CodecConfig
+from mmkv.codecs.identity import IdentityCodec
+
+B, H, D = 2, 3, 16
+
+
+def rand(gen: torch.Generator, tokens: int, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(B, H, tokens, D, generator=gen, dtype=torch.float64).to(dtype)
+
+
+class ScaledKeyScores(IdentityCodec):
+    """An identity codec whose score estimator reports q·(2k): lets a test see which path scored the keys."""
+
+    name = "identity"
+    has_scores = True
+
+    def scores(self, q, enc):
+        return 2.0 * torch.matmul(q.float(), enc.tensors["x"].float().transpose(-1, -2))
+
+
+def identity_codec(cls=IdentityCodec):
+    return cls(CodecConfig.parse("identity"), head_dim=D, num_heads=H)
+
+
+def encoded_segment(codec, k, v, skip=0) -> Segment:
+    return Segment(k_enc=codec.encode(k), v_enc=codec.encode(v), k_codec=codec, v_codec=codec, skip_tokens=skip)
+
+
+def test_merge_lse_is_exact():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = rand(gen, 7), rand(gen, 23), rand(gen, 23)
+    scale = 0.37
+    parts = [attn.attention_lse(q, k[..., a:b, :], v[..., a:b, :], scale) for a, b in ((0, 5), (5, 6), (6, 23))]
+    out, lse = attn.merge_lse(parts)
+    full, full_lse = attn.attention_lse(q, k, v, scale)
+    torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, full_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(full, F.scaled_dot_product_attention(q, k, v, scale=scale), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(full_lse, torch.logsumexp(q @ k.transpose(-1, -2) * scale, -1), rtol=1e-12, atol=0)
+
+
+def test_attention_lse_chunks_queries_exactly(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = rand(gen, 10), rand(gen, 9), rand(gen, 9)
+    whole = attn.attention_lse(q, k, v, 0.25)
+    monkeypatch.setattr(attn, "_SCORE_ELEMENTS", B * H * 9 * 3)  # 3 query rows per chunk
+    chunked = attn.attention_lse(q, k, v, 0.25)
+    torch.testing.assert_close(whole, chunked, rtol=1e-12, atol=1e-12)  # matmul blocking may differ by an ulp
+
+
+def test_gather_equals_concatenation_bit_exact():
+    gen = torch.Generator().manual_seed(2)
+    codec = identity_codec()
+    ks = [rand(gen, n, torch.float32) for n in (4, 6, 3)]
+    vs = [rand(gen, n, torch.float32) for n in (4, 6, 3)]
+    kc, vc = rand(gen, 2, torch.float32), rand(gen, 2, torch.float32)
+    segs = [encoded_segment(codec, ks[0], vs[0]), encoded_segment(codec, ks[1], vs[1], skip=2), Segment(ks[2], vs[2])]
+    k, v = attn.gather(segs, kc, vc, torch.float32)
+    assert torch.equal(k, torch.cat([ks[0], ks[1][..., 2:, :], ks[2], kc], 2))
+    assert torch.equal(v, torch.cat([vs[0], vs[1][..., 2:, :], vs[2], vc], 2))
+    assert k.is_contiguous() and v.is_contiguous()
+
+
+def test_decode_path_is_one_sdpa_call_over_the_concatenation():
+    gen = torch.Generator().manual_seed(3)
+    codec = identity_codec()
+    k1, v1, k2, v2 = (rand(gen, 5, torch.float32) for _ in range(4))
+    kc, vc, q = rand(gen, 3, torch.float32), rand(gen, 3, torch.float32), rand(gen, 4, torch.float32)
+    out = attn.attend(q, [encoded_segment(codec, k1, v1), Segment(k2, v2)], kc, vc)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, torch.cat([k1, k2, kc], 2), torch.cat([v1, v2, vc], 2)))
+
+
+def test_score_estimator_is_used_and_merged_exactly():
+    gen = torch.Generator().manual_seed(4)
+    codec = identity_codec(ScaledKeyScores)
+    k1, v1, k2, v2 = (rand(gen, 5, torch.float32) for _ in range(4))
+    kc, vc, q = rand(gen, 3, torch.float32), rand(gen, 3, torch.float32), rand(gen, 4, torch.float32)
+    segs = [encoded_segment(codec, k1, v1), encoded_segment(codec, k2, v2, skip=1)]
+    out = attn.attend(q, segs, kc, vc, backend="reference")
+    # the estimator doubles the encoded keys' scores; the current block is scored exactly
+    expected = F.scaled_dot_product_attention(
+        q.double(), torch.cat([2 * k1, 2 * k2[..., 1:, :], kc], 2).double(), torch.cat([v1, v2[..., 1:, :], vc], 2).double()
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # "decode" ignores the estimator: plain SDPA over the decoded keys
+    plain = attn.attend(q, segs, kc, vc, backend="decode")
+    assert torch.equal(
+        plain, F.scaled_dot_product_attention(q, torch.cat([k1, k2[..., 1:, :], kc], 2), torch.cat([v1, v2[..., 1:, :], vc], 2))
+    )
+
+
+@pytest.mark.parametrize("codec_name", [n for n in codecs.names() if codecs.get_codec_class(n).has_scores])
+def test_score_codecs_estimate_close_to_their_decode(codec_name):
+    """Each registered score-estimator codec, through the split path, stays near attention over its decode."""
+    gen = torch.Generator().manual_seed(5)
+    d = 64
+    codec = codecs.build(codec_name, head_dim=d, num_heads=H, seed=1)
+    k, v = torch.randn(B, H, 32, d, generator=gen), torch.randn(B, H, 32, d, generator=gen)
+    q = torch.randn(B, H, 4, d, generator=gen) * 0.3
+    seg = Segment(k_enc=codec.encode(k), v_enc=codec.encode(v), k_codec=codec, v_codec=codec)
+    est = attn.attend(q, [seg], backend="reference")
+    dec = attn.attend(q, [seg], backend="decode")
+    assert not torch.equal(est, dec)  # the estimator really was used
+    assert (est - dec).abs().max() < 0.5
+
+
+def test_kernel_seam_dispatches_and_merges(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    codec = identity_codec()
+    k1, v1, k2, v2 = (rand(gen, 5, torch.float32) for _ in range(4))
+    q = rand(gen, 4, torch.float32)
+    calls = []
+
+    def kernel(q, segments, scale):  # protocol: attend the encoded segments, return (out, lse) in fp32
+        calls.append(len(segments))
+        k, v = attn.gather(segments, None, None, torch.float32)
+        return attn.attention_lse(q, k, v, scale)
+
+    monkeypatch.setattr(attn, "find_kernel", lambda kc, vc, device: kernel)
+    out = attn.attend(q, [encoded_segment(codec, k1, v1), Segment(k2, v2)])
+    assert calls == [1]
+    torch.testing.assert_close(
+        out, F.scaled_dot_product_attention(q, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)), rtol=1e-5, atol=1e-6
+    )
+    calls.clear()
+    attn.attend(q, [encoded_segment(codec, k1, v1)], backend="reference")  # "reference" never asks for a kernel
+    assert calls == []
+
+
+def test_no_kernel_on_cpu():
+    codec = identity_codec()
+    assert attn.find_kernel(codec, codec, torch.device("cpu")) is None
+
+
+def test_errors():
+    gen = torch.Generator().manual_seed(7)
+    q = rand(gen, 2, torch.float32)
+    with pytest.raises(AttentionError, match="unknown attention backend"):
+        attn.attend(q, [Segment(rand(gen, 2, torch.float32), rand(gen, 2, torch.float32))], backend="flash")
+    with pytest.raises(AttentionError, match="nothing to attend"):
+        attn.attend(q, [])
+    with pytest.raises(AttentionError, match="at least one"):
+        attn.merge_lse([])
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    gen = torch.Generator().manual_seed(8)
+    codec = identity_codec(ScaledKeyScores)
+    k, v, q = rand(gen, 5, torch.float32), rand(gen, 5, torch.float32), rand(gen, 3, torch.float32)
+    seg = encoded_segment(codec, k / 2, v)  # the estimator doubles it back: scores are exactly q·k
+    out = attn.attend(q, [seg], backend="reference")
+    ref = F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(D))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
