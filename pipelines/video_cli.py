@@ -22,7 +22,7 @@ import torch
 
 from mmkv.pipelines.common import (
     REFERENCE, CodecSpec, NoiseStream, RunError, RunFolder, atomic_path, atomic_save_npy, atomic_save_safetensors,
-    item_name, local_device, parse_codec_list, progress, rank_info, read_prompts, versions,
+    item_name, local_device, parse_codec_list, progress, rank_info, read_prompts, shard, versions,
 )
 from mmkv.pipelines.wan.loop import PRESETS, get_preset
 
@@ -67,17 +67,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="RUN", help="run folder (created; reruns resume)")
 
 
-def _validate(args: argparse.Namespace) -> tuple[list[str], list[CodecSpec]]:
+def _validate(args: argparse.Namespace) -> tuple[list[str], str, list[CodecSpec]]:
+    """Everything checkable before a model is loaded or a file written: (prompts, SHA-256 of the whole prompt
+    list, codecs)."""
+    from mmkv.pipelines.wan.loaders import detect_layout, find_checkpoint
+
     get_preset(args.model)
     if args.residual_window < 0:
         raise RunError(f"--residual-window must be >= 0, got {args.residual_window}")
     prompts = read_prompts(args.prompts)
+    # Hash the whole list, so `--max-prompts 2` now and a full run later resume into the same folder.
+    prompts_sha = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
     if args.max_prompts is not None:
         if args.max_prompts < 1:
             raise RunError(f"--max-prompts must be >= 1, got {args.max_prompts}")
         prompts = prompts[: args.max_prompts]
     codecs = parse_codec_list(args.codecs, args.codec, value_group=args.value_group)
-    return prompts, codecs
+    find_checkpoint(args.ckpt)
+    detect_layout(args.base)
+    return prompts, prompts_sha, codecs
 
 
 def _check_shapes(args: argparse.Namespace) -> None:
@@ -117,25 +125,24 @@ def _write_mp4(path: Path, frames: np.ndarray) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts, codecs = _validate(args)
+    prompts, prompts_sha, codecs = _validate(args)
     protected = _protected_layers(args.protected_layers)
     rank, world = rank_info()
+    _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
     folder = RunFolder(args.out, rank, world)
-    prompt_bytes = "\n".join(prompts).encode()
     config = {
         "kind": "video", "model": args.model, "preset": get_preset(args.model).to_dict(),
         "ckpt": str(Path(args.ckpt).resolve()), "ckpt_key": args.ckpt_key, "base": str(Path(args.base).resolve()),
-        "prompts_file": str(Path(args.prompts).resolve()), "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
+        "prompts_file": str(Path(args.prompts).resolve()), "prompts_sha256": prompts_sha,
         "num_prompts": len(prompts), "codecs": [c.preset for c in codecs], "residual_window": args.residual_window,
         "value_group": args.value_group, "protected_layers": list(protected), "protected_units": args.protected_units,
         "seed": args.seed, "codec_seed": args.codec_seed, "frames": args.frames, "height": args.height,
         "width": args.width, "cross_attn_cache": not args.no_cross_attn_cache, "rank": rank, "world_size": world,
         "fps": FPS,
     }
-    _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
     manifest = folder.open_manifest(config, identity_keys=IDENTITY_KEYS)
     variants: list[CodecSpec | None] = [None, *codecs]
-    mine = [i for i in range(len(prompts)) if i % world == rank]
+    mine = shard(len(prompts), rank, world)
     todo = [(i, spec) for i in mine for spec in variants
             if not folder.is_complete(item_name(i), REFERENCE if spec is None else spec.variant)]
     for i in mine:  # rollouts finished by an earlier run of this rank stay listed
@@ -238,5 +245,9 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
 
 
 def _manifest_entry(record: dict[str, Any]) -> dict[str, Any]:
-    return {"item": record["item"], "variant": record["variant"], "preset": record.get("preset"),
-            "path": f"rollouts/{record['item']}/{record['variant']}", "noise_sha256": record.get("noise_sha256")}
+    keys = ("item", "variant", "preset", "noise_sha256", "effective_bits", "kv_bytes", "bf16_kv_bytes", "kv_ratio",
+            "peak_kv_bytes", "peak_memory_bytes")
+    entry = {k: record.get(k) for k in keys}
+    entry["path"] = f"rollouts/{record['item']}/{record['variant']}"
+    entry["seconds"] = record.get("timings", {}).get("total")
+    return entry

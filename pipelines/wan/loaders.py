@@ -180,6 +180,14 @@ def expected_original_keys(num_layers: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 # DiT config and construction
 
+# The released Wan2.1-T2V-1.3B transformer in diffusers kwargs (video.md §1, §5.2; DF convert_wan_to_diffusers.py:
+# 328-346). Used by tests and as documentation; a run reads its config from the base directory.
+WAN21_T2V_1_3B: dict[str, Any] = {
+    "patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024, "text_len": 512,
+}
+
 
 def read_dit_config(base: Path, layout: str) -> dict[str, Any]:
     """diffusers `WanTransformer3DModel` kwargs (plus `text_len`) from the base directory's config."""

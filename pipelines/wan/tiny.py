@@ -1,7 +1,8 @@
 """Tiny configurations of the real architecture (video.md §8), for tests and the offline demo.
 
-Every code path of the 1.3B model at CPU speed: 2 heads x head_dim 12 (RoPE t/h/w = 4/4/4), 2 layers, a non-square
-2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise blocking, a real (small) Wan VAE with the 1.3B
+Every code path of the 1.3B model at CPU speed: 2 heads x head_dim 32 (RoPE t/h/w = 12/10/10; a power of two
+with head_dim mod 6 = 2, so every codec runs on it, Hadamard rotations and 32-channel value groups included), 2 layers,
+a non-square 2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise blocking, a real (small) Wan VAE with the 1.3B
 layout (dim_mult [1,2,4,4], 2 res blocks: the original-format converter stays valid), a small umT5 encoder and a
 character-level tokenizer built with `tokenizers` (no sentencepiece model to download). Weights are drawn from a
 private generator with fan-in scaling so activations are O(1) and the head is not zero (the original zero-inits it,
@@ -24,12 +25,12 @@ from mmkv.pipelines.wan.loaders import dit_key_to_original
 TINY_DIT: dict[str, Any] = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 2,
-    "attention_head_dim": 12,
+    "attention_head_dim": 32,
     "in_channels": 16,
     "out_channels": 16,
     "text_dim": 32,
     "freq_dim": 256,
-    "ffn_dim": 48,
+    "ffn_dim": 128,
     "num_layers": 2,
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
