@@ -1,0 +1,485 @@
+"""Run folders in, measured comparisons out.
+
+A run folder (written by `mmkv generate video` / `mmkv compare audio`, possibly by several torchrun ranks)::
+
+    RUN/manifest.rank{R}.json                 run config, versions, the rollouts rank R completed
+    RUN/rollouts/<item>/<variant>/rollout.json   written last, atomically: the rollout is complete
+    RUN/rollouts/<item>/<variant>/frames.npy, latents.safetensors, video.mp4        (video)
+    RUN/rollouts/<item>/<variant>/audio.wav, latent.safetensors, tokens.safetensors  (audio)
+
+`read_runs` collects every complete rollout of one or more run folders (shards of one run, or several runs) and
+reports what is missing or partial; `pair_rollouts` matches each codec rollout with its item's reference;
+`Measurer` computes the metrics of a pair from the lossless files and caches them in `metrics.json` beside the
+rollout (atomically; recomputed when an input file changed or the metric settings differ).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REFERENCE = "reference"
+ROLLOUT_FILE = "rollout.json"
+METRICS_FILE = "metrics.json"
+METRICS_VERSION = 1
+# role -> default file name; `files` in rollout.json may name them differently
+FILES = {
+    "video": {"frames": "frames.npy", "latents": "latents.safetensors", "video": "video.mp4"},
+    "audio": {"audio": "audio.wav", "latent": "latent.safetensors", "tokens": "tokens.safetensors"},
+}
+REQUIRED = {"video": "frames", "audio": "audio"}  # what metrics cannot do without
+TENSOR_KEYS = {"latents": "latents", "latent": "latent", "tokens": "tokens"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# JSON with non-finite floats as strings ("inf" is a legitimate PSNR; bare Infinity is not JSON)
+
+
+def to_jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, (np.floating,)):
+        return to_jsonable(float(obj))
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def from_jsonable(obj: Any) -> Any:
+    if isinstance(obj, str) and obj in _NONFINITE:
+        return _NONFINITE[obj]
+    if isinstance(obj, dict):
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    return obj
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+@dataclass
+class Rollout:
+    """One complete rollout folder and its rollout.json."""
+
+    run: Path
+    dir: Path
+    info: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.info["kind"]
+
+    @property
+    def item(self) -> str:
+        return str(self.info["item"])
+
+    @property
+    def item_index(self) -> int:
+        idx = self.info.get("item_index")
+        return int(idx) if isinstance(idx, (int, float)) and not isinstance(idx, bool) else -1
+
+    @property
+    def variant(self) -> str:
+        return str(self.info["variant"])
+
+    @property
+    def is_reference(self) -> bool:
+        return self.variant == REFERENCE
+
+    @property
+    def model(self) -> str:
+        return str(self.info.get("model") or "unknown model")
+
+    @property
+    def preset(self) -> str:
+        return str(self.info.get("preset") or self.variant)
+
+    @property
+    def bits(self) -> float | None:
+        b = self.info.get("bits")
+        return float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) else None
+
+    @property
+    def group_key(self) -> tuple:
+        """Rollouts are tabulated together when they share modality, model and residual window."""
+        return (self.kind, self.model, self.info.get("residual_window"))
+
+    @property
+    def sort_key(self) -> tuple:
+        return (self.item_index, self.item)
+
+    def file(self, role: str) -> Path | None:
+        """The path of a role's file (frames, latents, video, audio, latent, tokens), or None if it is absent."""
+        files = self.info.get("files")
+        name = None
+        if isinstance(files, dict):
+            name = files.get(role)
+            if name is None:  # keys may be file names rather than roles
+                default = FILES[self.kind].get(role)
+                name = next((v for v in files.values() if isinstance(v, str) and Path(v).name == default), None)
+        name = name or FILES[self.kind].get(role)
+        if name is None:
+            return None
+        path = self.dir / name
+        return path if path.is_file() else None
+
+    def where(self) -> str:
+        return f"{self.run.name}/rollouts/{self.item}/{self.variant}"
+
+
+@dataclass
+class RunSet:
+    runs: list[Path]
+    rollouts: list[Rollout] = field(default_factory=list)
+    manifests: dict[str, dict] = field(default_factory=dict)  # "RUN/manifest.rankR.json" -> parsed manifest
+    problems: list[str] = field(default_factory=list)
+
+
+def _manifest_entries(manifest: Any) -> list[tuple[str, str]]:
+    """(item, variant) pairs a manifest lists; entries may be dicts (item, variant) or 'item/variant' paths."""
+    out = []
+    entries = manifest.get("rollouts", []) if isinstance(manifest, dict) else []
+    for e in entries if isinstance(entries, list) else []:
+        if isinstance(e, dict) and "item" in e and "variant" in e:
+            out.append((str(e["item"]), str(e["variant"])))
+        elif isinstance(e, dict) and isinstance(e.get("path") or e.get("dir"), str):
+            parts = Path(e.get("path") or e.get("dir")).parts
+            if len(parts) >= 2:
+                out.append((parts[-2], parts[-1]))
+        elif isinstance(e, str) and len(Path(e).parts) >= 2:
+            out.append((Path(e).parts[-2], Path(e).parts[-1]))
+    return out
+
+
+def _read_rollout(run: Path, d: Path, problems: list[str]) -> Rollout | None:
+    where = f"{run.name}/rollouts/{d.parent.name}/{d.name}"
+    rj = d / ROLLOUT_FILE
+    if not rj.is_file():
+        present = sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
+        problems.append(
+            f"{where}: partial rollout: {ROLLOUT_FILE} is missing (it is written last, so this rollout never "
+            f"finished); files present: {', '.join(present) or 'none'}"
+        )
+        return None
+    try:
+        info = json.loads(rj.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+        problems.append(f"{where}: unreadable {ROLLOUT_FILE} ({err})")
+        return None
+    if not isinstance(info, dict):
+        problems.append(f"{where}: {ROLLOUT_FILE} is not a JSON object")
+        return None
+    missing_keys = [k for k in ("kind", "item", "variant") if k not in info]
+    if missing_keys:
+        problems.append(f"{where}: {ROLLOUT_FILE} lacks {', '.join(missing_keys)}")
+        return None
+    if info["kind"] not in FILES:
+        problems.append(f"{where}: unknown kind {info['kind']!r} in {ROLLOUT_FILE}; expected 'video' or 'audio'")
+        return None
+    if (str(info["item"]), str(info["variant"])) != (d.parent.name, d.name):
+        problems.append(f"{where}: {ROLLOUT_FILE} says item {info['item']!r}, variant {info['variant']!r}; "
+                        "the folder name disagrees (moved or copied by hand?)")
+        return None
+    info = from_jsonable(info)
+    files = info.get("files")
+    listed = list(files.values()) if isinstance(files, dict) else list(files) if isinstance(files, list) else []
+    absent = [str(n) for n in listed if not (d / str(n)).is_file()]
+    r = Rollout(run=run, dir=d, info=info)
+    need = REQUIRED[r.kind]
+    if r.file(need) is None and FILES[r.kind][need] not in absent:
+        absent.append(FILES[r.kind][need])
+    if absent:
+        problems.append(f"{where}: partial rollout: {', '.join(absent)} missing (listed in {ROLLOUT_FILE} or "
+                        f"required for {r.kind} metrics)")
+        return None
+    return r
+
+
+def read_runs(paths) -> RunSet:
+    """Every complete rollout of the given run folders, plus a problem line for each missing or partial one."""
+    runs = [Path(p) for p in paths]
+    rs = RunSet(runs=runs)
+    seen: dict[tuple, Rollout] = {}
+    for run in runs:
+        if not run.is_dir():
+            rs.problems.append(f"{run}: not a directory (expected a run folder with manifest.rank*.json and "
+                               "rollouts/)")
+            continue
+        expected: dict[tuple[str, str], str] = {}
+        manifests = sorted(run.glob("manifest.rank*.json"))
+        if not manifests:
+            rs.problems.append(f"{run.name}: no manifest.rank*.json (not an mmkv run folder, or no rank started)")
+        for m in manifests:
+            try:
+                data = json.loads(m.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+                rs.problems.append(f"{run.name}/{m.name}: unreadable manifest ({err})")
+                continue
+            rs.manifests[f"{run.name}/{m.name}"] = data
+            for key in _manifest_entries(data):
+                expected.setdefault(key, m.name)
+        root = run / "rollouts"
+        if not root.is_dir():
+            rs.problems.append(f"{run.name}: no rollouts/ folder")
+            continue
+        found: set[tuple[str, str]] = set()
+        for item_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            for d in sorted(p for p in item_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                found.add((item_dir.name, d.name))
+                r = _read_rollout(run, d, rs.problems)
+                if r is None:
+                    continue
+                key = (r.group_key, r.item, r.variant)
+                if key in seen:
+                    rs.problems.append(f"{r.where()}: duplicate of {seen[key].where()} (same model, item and "
+                                       f"variant); using the first")
+                    continue
+                seen[key] = r
+                rs.rollouts.append(r)
+        for (item, variant), mname in sorted(expected.items()):
+            if (item, variant) not in found:
+                rs.problems.append(f"{run.name}/rollouts/{item}/{variant}: missing: listed in {mname} but the "
+                                   "folder is gone")
+    return rs
+
+
+def pair_rollouts(rs: RunSet) -> list[tuple[Rollout, Rollout]]:
+    """(reference, test) for every codec rollout whose item has a comparable reference; problems otherwise."""
+    refs = {(r.group_key, r.item): r for r in rs.rollouts if r.is_reference}
+    pairs = []
+    for r in sorted((r for r in rs.rollouts if not r.is_reference), key=lambda r: (r.group_key, r.sort_key,
+                                                                                     r.variant)):
+        ref = refs.get((r.group_key, r.item))
+        if ref is None:
+            rs.problems.append(f"{r.where()}: no reference rollout for item {r.item} of {r.model}; not compared")
+            continue
+        a, b = ref.info.get("noise_sha256"), r.info.get("noise_sha256")
+        if a and b and a != b:
+            rs.problems.append(f"{r.where()}: initial noise differs from {ref.where()} (noise_sha256 {b[:12]} vs "
+                               f"{a[:12]}): not the same rollout, not compared")
+            continue
+        pairs.append((ref, r))
+    return pairs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring, with a metrics.json cache beside each rollout
+
+
+def _load_tensor(path: Path, key: str):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+        if key not in keys:
+            raise ValueError(f"{path}: no tensor {key!r} (has {keys})")
+        return f.get_tensor(key)
+
+
+def _load_frames(path: Path) -> np.ndarray:
+    frames = np.load(path, allow_pickle=False)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"{path}: expected uint8 frames [F, H, W, 3], got {frames.dtype} {frames.shape}")
+    return frames
+
+
+def _load_wav(path: Path, sample_rate: Any) -> tuple[np.ndarray, int]:
+    import soundfile as sf
+
+    data, sr = sf.read(str(path), dtype="float64", always_2d=False)
+    if isinstance(sample_rate, (int, float)) and int(sample_rate) != sr:
+        raise ValueError(f"{path}: sample rate {sr} Hz, but rollout.json says {int(sample_rate)} Hz")
+    return data, sr
+
+
+class LpipsChoice:
+    """Which LPIPS trunk to use (`alexnet`, `random`, `off`) and where its weights are; loads lazily, once."""
+
+    def __init__(self, mode: str = "alexnet", weights: str | os.PathLike | None = None, seed: int = 0,
+                 device=None):
+        if mode not in ("alexnet", "random", "off"):
+            raise ValueError(f"unknown LPIPS mode {mode!r}; choose alexnet, random or off")
+        self.mode, self.weights, self.seed, self.device = mode, weights, seed, device
+        self._net = None
+
+    def accepts(self, trunk_id: str | None) -> bool:
+        """Whether cached LPIPS values computed with `trunk_id` are what this choice would compute."""
+        if self.mode == "off":
+            return True
+        if trunk_id is None:
+            return False
+        if self.mode == "random":
+            return trunk_id == f"random(seed={self.seed})"
+        return trunk_id.startswith("alexnet sha256:")  # load_lpips checks the hash of every trunk it accepts
+
+    def net(self):
+        if self.mode == "off":
+            return None
+        if self._net is None:
+            from mmkv.metrics import load_lpips
+
+            self._net = load_lpips(self.weights, random_trunk=self.mode == "random", seed=self.seed,
+                                   device=self.device)
+        return self._net
+
+
+class Measurer:
+    """Computes (or reads from metrics.json) the metrics of (reference, test) pairs."""
+
+    def __init__(self, lpips: LpipsChoice | None = None, device=None, use_cache: bool = True):
+        self.lpips = lpips or LpipsChoice("off")
+        self.device = device
+        self.use_cache = use_cache
+        self._ref_key: Path | None = None
+        self._ref_data: dict | None = None
+
+    def _inputs(self, ref: Rollout, test: Rollout) -> dict[str, list[int]]:
+        sig = {}
+        for r in (ref, test):
+            paths = [r.dir / ROLLOUT_FILE] + [p for role in FILES[r.kind] if role != "video"
+                                              and (p := r.file(role)) is not None]
+            for p in paths:
+                st = p.stat()
+                sig[os.path.relpath(p, test.dir)] = [st.st_mtime_ns, st.st_size]
+        return sig
+
+    def _cached(self, ref: Rollout, test: Rollout, inputs: dict) -> dict | None:
+        path = test.dir / METRICS_FILE
+        if not self.use_cache or not path.is_file():
+            return None
+        try:
+            m = from_jsonable(json.loads(path.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return None
+        if not isinstance(m, dict) or m.get("version") != METRICS_VERSION or m.get("inputs") != inputs:
+            return None
+        if m.get("kind") == "video" and not self.lpips.accepts(m.get("config", {}).get("lpips_trunk")):
+            return None
+        newest = max(v[0] for v in inputs.values())
+        if path.stat().st_mtime_ns < newest:
+            return None
+        return m
+
+    def _load(self, r: Rollout) -> dict:
+        if r.kind == "video":
+            out = {"frames": _load_frames(r.file("frames"))}
+            if (p := r.file("latents")) is not None:
+                out["latents"] = _load_tensor(p, TENSOR_KEYS["latents"])
+        else:
+            out = {}
+            out["audio"], out["sample_rate"] = _load_wav(r.file("audio"), r.info.get("sample_rate"))
+            for role in ("latent", "tokens"):
+                if (p := r.file(role)) is not None:
+                    out[role] = _load_tensor(p, TENSOR_KEYS[role])
+        return out
+
+    def _reference(self, ref: Rollout) -> dict:
+        if self._ref_key != ref.dir:  # codec rollouts come grouped by item: keep the last reference in memory
+            self._ref_data, self._ref_key = self._load(ref), ref.dir
+        return self._ref_data
+
+    def measure(self, ref: Rollout, test: Rollout) -> dict:
+        """Metrics of `test` against `ref` (see mmkv.metrics), from cache when its inputs are unchanged."""
+        if ref.kind != test.kind:
+            raise ValueError(f"{test.where()} is {test.kind} but its reference is {ref.kind}")
+        inputs = self._inputs(ref, test)
+        cached = self._cached(ref, test, inputs)
+        if cached is not None:
+            return self._drop_lpips(cached)
+        from mmkv import metrics
+
+        a, b = self._reference(ref), self._load(test)
+        if test.kind == "video":
+            result = metrics.video_metrics(a["frames"], b["frames"], a.get("latents"), b.get("latents"),
+                                           lpips_net=self.lpips.net(), device=self.device,
+                                           fps=float(test.info.get("fps") or metrics.DEFAULT_FPS))
+            result.pop("windows")  # windows are cut at report time from per-frame values (edges are a report option)
+        else:
+            if a["sample_rate"] != b["sample_rate"]:
+                raise ValueError(f"{test.where()}: sample rate {b['sample_rate']} differs from the reference's "
+                                 f"{a['sample_rate']}")
+            result = metrics.audio_metrics(a["audio"], b["audio"], b["sample_rate"], a.get("latent"),
+                                           b.get("latent"), a.get("tokens"), b.get("tokens"))
+        record = {"version": METRICS_VERSION, "reference": os.path.relpath(ref.dir, test.dir), "inputs": inputs,
+                  **result}
+        if self.use_cache:
+            try:
+                atomic_write_text(test.dir / METRICS_FILE, json.dumps(to_jsonable(record), indent=1) + "\n")
+            except OSError:
+                pass  # a read-only run folder: measure again next time
+        return self._drop_lpips(record)
+
+    def _drop_lpips(self, m: dict) -> dict:
+        if self.lpips.mode == "off" and m.get("kind") == "video":
+            m = dict(m)
+            m["per_frame"] = {k: v for k, v in m["per_frame"].items() if k != "lpips"}
+            m["summary"] = {k: v for k, v in m["summary"].items() if k != "lpips"}
+            m["config"] = {**m.get("config", {}), "lpips_trunk": None}
+        return m
+
+
+@dataclass
+class Measured:
+    """A codec rollout, its reference, and the metrics of the pair."""
+
+    ref: Rollout
+    test: Rollout
+    metrics: dict
+
+
+def measure_all(rs: RunSet, measurer: Measurer, progress=None) -> list[Measured]:
+    """Metrics for every (reference, test) pair; a pair that fails becomes a problem line, the rest go on."""
+    pairs = pair_rollouts(rs)
+    out = []
+    for ref, test in (progress(pairs) if progress else pairs):
+        try:
+            out.append(Measured(ref, test, measurer.measure(ref, test)))
+        except (ValueError, OSError, RuntimeError) as err:
+            if type(err).__name__ == "LPIPSWeightsNotFound":
+                raise  # a setup problem for every video rollout: stop and say where the weights go
+            rs.problems.append(f"{test.where()}: metrics failed: {err}")
+    return out

@@ -1,0 +1,407 @@
+"""From measured pairs to the numbers a paper prints: per (model, codec preset), min / mean / max of each metric
+across items, measured KV× and effective bits, windowed means and per-frame curves; then the Table-3-shaped tables.
+
+Aggregation is order-free (values are sorted by item before any sum), so a run split over torchrun shards, or over
+several run folders, gives exactly the report of the same run unsplit.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmkv.metrics.video import DEFAULT_FPS, psnr_from_mse, windowed_means
+from mmkv.report.runs import Measured
+from mmkv.report.tables import Column, Table
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str
+    label: str
+    better: str  # "lower" or "higher"
+    digits: int
+
+    @property
+    def header(self) -> str:
+        return self.label + ("↓" if self.better == "lower" else "↑")
+
+
+METRICS = {
+    "lpips": MetricSpec("lpips", "LPIPS", "lower", 3),
+    "psnr": MetricSpec("psnr", "PSNR", "higher", 1),
+    "psnr_frame_mean": MetricSpec("psnr_frame_mean", "PSNR(frame mean)", "higher", 1),
+    "ssim": MetricSpec("ssim", "SSIM", "higher", 3),
+    "latent_cosine": MetricSpec("latent_cosine", "cos", "higher", 4),
+    "lsd_db": MetricSpec("lsd_db", "LSD", "lower", 2),
+    "snr_db": MetricSpec("snr_db", "SNR", "higher", 1),
+    "log_mel_mse": MetricSpec("log_mel_mse", "mel MSE", "lower", 3),
+    "token_agreement": MetricSpec("token_agreement", "tokens=", "higher", 3),
+}
+DEFAULT_METRICS = {"video": ("lpips", "psnr", "ssim", "latent_cosine"),
+                   "audio": ("lsd_db", "snr_db", "log_mel_mse", "latent_cosine")}
+WINDOW_METRICS = ("lpips", "psnr", "ssim")
+CURVE_METRICS = ("lpips", "psnr", "ssim")
+
+# Display names of the codecs we know, and the order baselines-first the paper uses; others sort after, by name.
+CODEC_NAMES = {"identity": "Identity", "groupquant": "GroupQuant", "kivi": "KIVI", "qvg": "QVG", "qjl": "QJL",
+               "turboquant": "TurboQuant", "turboquant-mse": "TurboQuant-MSE", "turboquant-qjl": "TurboQuant-QJL",
+               "polarquant": "PolarQuant", "oscar": "OScaR", "octopus": "OCTOPUS", "octopus-qjl": "OCTOPUS-QJL"}
+CODEC_ORDER = list(CODEC_NAMES)
+BITS_KEYS = ("b", "bits")
+
+
+def parse_preset(preset: str) -> tuple[str, dict[str, str]]:
+    """`name:k=v,...` (or `K/V` with two such parts) -> (name, params); V's params get a `v.` prefix."""
+    parts = str(preset).split("/", 1)
+    names, params = [], {}
+    for n, part in enumerate(parts):
+        name, _, rest = part.partition(":")
+        names.append(name.strip().lower())
+        for item in filter(None, (x.strip() for x in rest.split(","))):
+            k, _, v = item.partition("=")
+            params[("v." if n else "") + k.strip()] = v.strip()
+    return "/".join(names), params
+
+
+def codec_display(name: str) -> str:
+    return "/".join(CODEC_NAMES.get(n, n) for n in name.split("/"))
+
+
+def _codec_rank(name: str) -> tuple:
+    first = name.split("/")[0]
+    return (CODEC_ORDER.index(first) if first in CODEC_ORDER else len(CODEC_ORDER), name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data model
+
+
+@dataclass
+class Group:
+    key: tuple
+    kind: str
+    model: str
+    residual_window: Any
+    label: str = ""
+    fps: float = DEFAULT_FPS
+    lpips_trunks: set = field(default_factory=set)
+
+
+@dataclass
+class Row:
+    preset: str
+    codec: str
+    bits: float | None
+    label: str = ""
+
+
+@dataclass
+class Cell:
+    """One (group, preset): the items compared and what they measured."""
+
+    items: list[str]
+    values: dict[str, list[float]]  # metric -> per-item values (item order)
+    kv_ratio: float | None
+    effective_bits: float | None
+    snr_at_cap: float | None = None
+    windows: list[dict] = field(default_factory=list)  # [{"label", "start_s", "end_s", metric: mean over items}]
+    curves: dict[str, np.ndarray] = field(default_factory=dict)  # metric -> per-frame mean over items
+
+    @property
+    def n(self) -> int:
+        return len(self.items)
+
+    def stat(self, metric: str) -> tuple[float, float, float] | None:
+        v = [x for x in self.values.get(metric, []) if x is not None and not math.isnan(x)]
+        if not v:
+            return None
+        a = np.asarray(v, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            return float(a.min()), float(a.mean()), float(a.max())
+
+
+@dataclass
+class Summary:
+    groups: list[Group]
+    rows: list[Row]
+    cells: dict[tuple, Cell]  # (group key, preset) -> Cell
+    measured: list[Measured]
+
+    def cell(self, g: Group, r: Row) -> Cell | None:
+        return self.cells.get((g.key, r.preset))
+
+
+def _mean(values) -> float | None:
+    v = [float(x) for x in values if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
+    return float(np.mean(v)) if v else None
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def summarize(measured: list[Measured], *, window_edges_s=None) -> Summary:
+    by_cell: dict[tuple, list[Measured]] = {}
+    groups: dict[tuple, Group] = {}
+    rows: dict[str, Row] = {}
+    for m in measured:
+        t = m.test
+        g = groups.setdefault(t.group_key, Group(t.group_key, t.kind, t.model, t.info.get("residual_window")))
+        trunk = m.metrics.get("config", {}).get("lpips_trunk")
+        if t.kind == "video" and trunk:
+            g.lpips_trunks.add(trunk)
+        g.fps = float(t.info.get("fps") or m.metrics.get("fps") or DEFAULT_FPS)
+        name, _ = parse_preset(t.preset)
+        rows.setdefault(t.preset, Row(t.preset, name, t.bits))
+        by_cell.setdefault((t.group_key, t.preset), []).append(m)
+
+    group_list = sorted(groups.values(), key=lambda g: (g.kind != "video", g.model, str(g.residual_window)))
+    models = [g.model for g in group_list]
+    for g in group_list:
+        base = Path(g.model).name if ("/" in g.model or "\\" in g.model) else g.model
+        g.label = base if models.count(g.model) == 1 else f"{base} (window {g.residual_window})"
+    row_list = sorted(rows.values(), key=lambda r: (r.bits is not None, -(r.bits or 0), _codec_rank(r.codec),
+                                                    r.preset))
+    _label_rows(row_list)
+
+    cells = {}
+    for key, ms in by_cell.items():
+        ms = sorted(ms, key=lambda m: m.test.sort_key)
+        cells[key] = _cell(ms, groups[key[0]], window_edges_s)
+    return Summary(group_list, row_list, cells, measured)
+
+
+def _label_rows(rows: list[Row]) -> None:
+    """Codec display name; parameters are added only where two presets of one codec share a bit width."""
+    by = {}
+    for r in rows:
+        by.setdefault((r.bits, r.codec), []).append(r)
+    for (_, codec), rs in by.items():
+        if len(rs) == 1:
+            rs[0].label = codec_display(codec)
+            continue
+        params = [parse_preset(r.preset)[1] for r in rs]
+        keys = sorted({k for p in params for k in p if k not in BITS_KEYS})
+        differ = [k for k in keys if len({p.get(k) for p in params}) > 1]
+        for r, p in zip(rs, params):
+            extra = ",".join(f"{k}={p.get(k, '-')}" for k in differ)
+            r.label = codec_display(codec) + (f" ({extra})" if extra else "")
+
+
+def _cell(ms: list[Measured], g: Group, window_edges_s) -> Cell:
+    values: dict[str, list[float]] = {}
+    for m in ms:
+        for k, v in m.metrics["summary"].items():
+            if k in METRICS:
+                values.setdefault(k, []).append(_num(v) if v is not None else None)
+    cell = Cell(items=[m.test.item for m in ms], values=values,
+                kv_ratio=_mean(m.test.info.get("kv_ratio") for m in ms),
+                effective_bits=_mean(m.test.info.get("effective_bits") for m in ms))
+    if g.kind == "audio":
+        caps = [bool(m.metrics["summary"].get("snr_at_cap")) for m in ms if m.metrics["summary"].get("snr_db")
+                is not None and not math.isnan(m.metrics["summary"]["snr_db"])]
+        cell.snr_at_cap = sum(caps) / len(caps) if caps else None
+        return cell
+    # Video: windows per item (means of per-frame values), then the mean over items; per-frame curves.
+    per_item = [windowed_means(m.metrics["per_frame"], g.fps, window_edges_s) for m in ms]
+    labels: dict[str, dict] = {}
+    for wins in per_item:
+        for w in wins:
+            labels.setdefault(w["label"], {"label": w["label"], "start_s": w["start_s"], "end_s": w["end_s"]})
+    for label, w in sorted(labels.items(), key=lambda kv: kv[1]["start_s"]):
+        entry = dict(w)
+        for metric in WINDOW_METRICS + ("psnr_frame_mean",):
+            vals = [x[metric] for wins in per_item for x in wins if x["label"] == label and metric in x]
+            entry[metric] = float(np.mean(vals)) if vals else None
+        entry["n_items"] = sum(1 for wins in per_item if any(x["label"] == label for x in wins))
+        cell.windows.append(entry)
+    n = max(len(m.metrics["per_frame"]["mse"]) for m in ms)
+    stack = {}
+    for metric in ("mse", "ssim", "lpips"):
+        rowsv = [m.metrics["per_frame"].get(metric) for m in ms]
+        if any(r is None for r in rowsv):
+            continue
+        a = np.full((len(rowsv), n), np.nan)
+        for i, r in enumerate(rowsv):
+            a[i, : len(r)] = r
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a frame no item reaches stays NaN
+            stack[metric] = np.nanmean(a, axis=0)
+    if "mse" in stack:
+        # PSNR per frame across items from the pooled MSE: finite unless every item's frame is identical.
+        cell.curves["psnr"] = np.asarray(psnr_from_mse(stack.pop("mse")), dtype=np.float64)
+    cell.curves.update(stack)
+    cell.curves["time_s"] = np.arange(n) / g.fps
+    return cell
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def _lpips_note(groups: list[Group]) -> list[str]:
+    notes = []
+    for g in groups:
+        random = sorted(t for t in g.lpips_trunks if t.startswith("random"))
+        if random:
+            notes.append(f"{g.label}: LPIPS† uses a random AlexNet trunk ({', '.join(random)}), not the ImageNet "
+                         "weights: not LPIPS, a smoke-test number only.")
+        if len(g.lpips_trunks) > 1:
+            notes.append(f"{g.label}: LPIPS values come from different trunks ({', '.join(sorted(g.lpips_trunks))})"
+                         "; recompute with one --lpips setting.")
+    return notes
+
+
+def _metric_header(spec: MetricSpec, g: Group) -> str:
+    h = spec.header
+    if spec.key == "lpips" and any(t.startswith("random") for t in g.lpips_trunks):
+        h = "LPIPS†" + h[-1]
+    return h
+
+
+def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) -> Table:
+    """Table 3's shape: a row per (bits, codec); per model, n, KV×, effective bits and min / μ / max per metric."""
+    metrics = metrics or DEFAULT_METRICS
+    multi = len(s.groups) > 1
+    cols = [Column("bits", ("", "", "b"), "{:g}"), Column("codec", ("", "", "codec")),
+            Column("preset", ("", "", "preset"), show=False)]
+    getters = []
+    for g in s.groups:
+        gl = g.label if multi else ""
+        cols += [Column(f"{g.label}/n", (gl, "", "n"), "{:d}"),
+                 Column(f"{g.label}/kv_ratio", (gl, "", "KV×"), "{:.2f}×"),
+                 Column(f"{g.label}/effective_bits", (gl, "", "bits"), "{:.2f}")]
+        getters += [(g, "n"), (g, "kv_ratio"), (g, "effective_bits")]
+        for key in metrics.get(g.kind, ()):
+            spec = METRICS[key]
+            if not any((c := s.cell(g, r)) is not None and c.stat(key) for r in s.rows):
+                continue  # nobody measured it (e.g. no latents saved)
+            fmt = "{:.%df}" % spec.digits
+            h = _metric_header(spec, g)
+            cols += [Column(f"{g.label}/{key}/min", (gl, h, "min"), fmt),
+                     Column(f"{g.label}/{key}/mean", (gl, h, "μ"), fmt, better=spec.better),
+                     Column(f"{g.label}/{key}/max", (gl, h, "max"), fmt)]
+            getters += [(g, (key, 0)), (g, (key, 1)), (g, (key, 2))]
+            if key == "snr_db":
+                cols.append(Column(f"{g.label}/snr_db/at_cap", (gl, h, "@cap"), "{:.0%}"))
+                getters.append((g, "snr_at_cap"))
+    table_rows = []
+    for r in s.rows:
+        row: list[Any] = [r.bits, r.label, r.preset]
+        for g, what in getters:
+            c = s.cell(g, r)
+            if c is None:
+                row.append(None)
+            elif what == "n":
+                row.append(c.n)
+            elif what in ("kv_ratio", "effective_bits", "snr_at_cap"):
+                row.append(getattr(c, what))
+            else:
+                st = c.stat(what[0])
+                row.append(None if st is None else st[what[1]])
+        table_rows.append(row)
+    notes = [
+        "min / μ / max across the items (prompts or clips) of each codec, each compared with the same item's "
+        "bf16-cache reference rollout (same seed, byte-identical initial noise). μ: bold = best, underlined = "
+        "runner-up within a bit-width block.",
+        "b: nominal bits of the preset; KV×: bf16 KV bytes / bytes really stored; bits: measured effective bits per "
+        "KV element (payload, side information and native residual window).",
+    ]
+    kinds = {g.kind for g in s.groups}
+    if "video" in kinds:
+        lpips = any(g.lpips_trunks for g in s.groups)
+        notes.append("Video, from the lossless frames: PSNR (dB) from the MSE pooled over a video's frames (inf only "
+                     "if every frame is identical); SSIM Gaussian σ=1.5 (scikit-image, Wang et al.); "
+                     + ("LPIPS-alex v0.1; " if lpips else "") + "per-video means over frames; cos = latent cosine.")
+    if "audio" in kinds:
+        notes.append("Audio: LSD in dB (10 × log10-power LSD, Hann, n_fft 2048, hop 512); SNR in dB capped at 120 "
+                     "(= bit-identical), @cap = share of clips at the cap; mel MSE = log10-mel MSE (80 Slaney mels, "
+                     "n_fft 1024, hop 256); cos = SAT latent cosine.")
+    notes += _lpips_note(s.groups)
+    title = "Compressed-KV rollouts against the bf16-cache reference" + (
+        f" ({', '.join(g.label for g in s.groups)})" if s.groups else "")
+    return Table("main", title, cols, table_rows, block="bits", notes=notes)
+
+
+def windows_table(s: Summary) -> Table | None:
+    """Windowed means (issue 7): μ over items of each video's mean over [a, b) seconds, per metric and window."""
+    video = [g for g in s.groups if g.kind == "video"]
+    if not video:
+        return None
+    multi = len(video) > 1
+    cols = [Column("bits", ("", "", "b"), "{:g}"), Column("codec", ("", "", "codec")),
+            Column("preset", ("", "", "preset"), show=False)]
+    getters = []
+    for g in video:
+        labels: dict[str, float] = {}
+        for r in s.rows:
+            c = s.cell(g, r)
+            for w in c.windows if c else []:
+                labels.setdefault(w["label"], w["start_s"])
+        ordered = sorted(labels, key=labels.get)
+        for key in WINDOW_METRICS:
+            spec = METRICS[key]
+            if not any((c := s.cell(g, r)) is not None and any(w.get(key) is not None for w in c.windows)
+                       for r in s.rows):
+                continue
+            head = (g.label + " " if multi else "") + _metric_header(spec, g)
+            for label in ordered:
+                cols.append(Column(f"{g.label}/{key}/{label}", (head, label), "{:.%df}" % spec.digits,
+                                   better=spec.better))
+                getters.append((g, key, label))
+    rows = []
+    for r in s.rows:
+        row: list[Any] = [r.bits, r.label, r.preset]
+        for g, key, label in getters:
+            c = s.cell(g, r)
+            w = next((w for w in c.windows if w["label"] == label), None) if c else None
+            row.append(None if w is None else w.get(key))
+        rows.append(row)
+    fps = sorted({g.fps for g in video})
+    notes = [f"Each entry: the mean over items of one video's mean of per-frame values in the window [a, b) s at "
+             f"{', '.join(f'{f:g}' for f in fps)} fps (PSNR: from the window's pooled MSE). The last window may be "
+             "partly filled. Bold / underlined: best / runner-up within a bit-width block."] + _lpips_note(video)
+    return Table("windows", "Windowed means over time (per-frame metrics averaged within each window)", cols, rows,
+                 block="bits", notes=notes)
+
+
+def rollouts_table(s: Summary) -> Table:
+    """Long form, one row per compared rollout: what the pipelines recorded and every summary metric."""
+    keys = []
+    for m in s.measured:
+        for k in m.metrics["summary"]:
+            if k not in keys:
+                keys.append(k)
+    info_keys = ["bits", "effective_bits", "kv_ratio", "kv_bytes", "bf16_kv_bytes", "peak_kv_bytes", "seed",
+                 "noise_sha256", "rank"]
+    cols = [Column(k, (k,)) for k in ["kind", "model", "residual_window", "item", "item_index", "variant", "preset"]
+            + info_keys + keys + ["lpips_trunk"]]
+    rows = []
+    for m in sorted(s.measured, key=lambda m: (m.test.group_key, m.test.sort_key, m.test.variant)):
+        t = m.test
+        rows.append([t.kind, t.model, t.info.get("residual_window"), t.item, t.item_index, t.variant, t.preset]
+                    + [t.info.get(k) for k in info_keys] + [m.metrics["summary"].get(k) for k in keys]
+                    + [m.metrics.get("config", {}).get("lpips_trunk")])
+    return Table("rollouts", "Per-rollout metrics", cols, rows)
+
+
+def frames_table(s: Summary) -> Table:
+    """Long form, one row per frame of every compared video rollout (per-frame curves for plotting elsewhere)."""
+    cols = [Column(k, (k,)) for k in ("model", "item", "variant", "preset", "frame", "time_s", "mse", "psnr", "ssim",
+                                       "lpips")]
+    rows = []
+    for m in sorted(s.measured, key=lambda m: (m.test.group_key, m.test.sort_key, m.test.variant)):
+        if m.test.kind != "video":
+            continue
+        pf = m.metrics["per_frame"]
+        fps = float(m.test.info.get("fps") or m.metrics.get("fps") or DEFAULT_FPS)
+        for f in range(len(pf["mse"])):
+            rows.append([m.test.model, m.test.item, m.test.variant, m.test.preset, f, f / fps]
+                        + [pf[k][f] if k in pf else None for k in ("mse", "psnr", "ssim", "lpips")])
+    return Table("frames", "Per-frame metrics", cols, rows)

@@ -1,0 +1,346 @@
+"""`mmkv report` on synthetic run folders laid out exactly as the pipelines write them: tables (Table 3 shape, marks,
+windows), shard merging, missing / partial rollouts, the metrics cache, plots, and the HTML gallery in Chromium."""
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from safetensors.torch import save_file
+
+from mmkv.cli import main as mmkv_main
+from mmkv.report import tables as T
+from mmkv.report.runs import LpipsChoice, Measurer, measure_all, read_runs
+from mmkv.report.summary import main_table, summarize, windows_table
+
+FPS = 16
+SR = 24000
+# (preset, variant folder, nominal bits, noise sigma, KV×, effective bits): lower sigma = better codec
+PRESETS = [
+    ("identity", "identity", None, 0.0, 1.0, 16.0),
+    ("turboquant:b=4", "turboquant_b4", 4, 5.0, 2.4, 4.6),
+    ("octopus:b=4,joint=1,norm=32", "octopus_b4_joint1_norm32", 4, 2.0, 2.3, 4.8),
+    ("turboquant:b=2", "turboquant_b2", 2, 14.0, 3.2, 2.7),
+    ("polarquant:b=2", "polarquant_b2", 2, 9.0, 3.3, 2.6),
+    ("octopus:b=2,joint=1,norm=32", "octopus_b2_joint1_norm32", 2, 6.0, 3.1, 2.9),
+]
+CAUSAL_FRAMES = 4  # the first chunk never reads the compressed cache: bit-identical frames
+
+
+def _rollout_json(kind, item, index, variant, preset, bits, kv, eff, rank, files, seed):
+    return {
+        "kind": kind, "item": item, "item_index": index, "text": f"prompt {index}: a synthetic scene",
+        "variant": variant, "preset": preset if variant != "reference" else None,
+        "k_codec": preset, "v_codec": None, "bits": bits, "effective_bits": eff if variant != "reference" else 16.0,
+        "kv_bytes": int(1e6 / kv), "bf16_kv_bytes": int(1e6), "kv_ratio": kv, "peak_kv_bytes": int(1.2e6 / kv),
+        "noise_sha256": f"{seed:08x}{index:056x}", "seed": seed, "model": "causvid" if kind == "video" else "aar",
+        "residual_window": 1, "sample_rate": SR if kind == "audio" else None, "timings": {"total_s": 1.0},
+        "peak_memory_bytes": 123, "rank": rank, "files": files, "versions": {"mmkv": "test"},
+    }
+
+
+def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48), presets=PRESETS, mp4=False,
+             colours=None):
+    """Write a run: `shards` is a list of (run folder, rank, world size); items go round-robin over the ranks, as
+    torchrun sharding does. Same seed -> byte-identical content whatever the split."""
+    ref_rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n_items):
+        name = f"p{i:04d}" if kind == "video" else f"clip_{chr(97 + i)}"
+        if kind == "video":
+            if colours:
+                ref = np.tile(np.array(colours[i][0], np.uint8), (frames, *size, 1))
+            else:
+                low = ref_rng.uniform(0, 255, (frames, size[0] // 8, size[1] // 8, 3))
+                ref = np.clip(np.repeat(np.repeat(low, 8, 1), 8, 2) + ref_rng.normal(0, 8, (frames, *size, 3)),
+                              0, 255).astype(np.uint8)
+            latent = torch.from_numpy(ref_rng.standard_normal((frames // 4, 4, 6, 8)).astype(np.float32))
+        else:
+            t = np.arange(12000) / SR
+            ref = sum(ref_rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * ref_rng.uniform(100, 6000) * t)
+                      for _ in range(3)).astype(np.float32)
+            latent = torch.from_numpy(ref_rng.standard_normal((1, 8, 38)).astype(np.float32))
+        items.append((name, ref, latent))
+    for run, rank, world in shards:
+        run = Path(run)
+        mine = [(i, it) for i, it in enumerate(items) if i % world == rank]
+        entries = []
+        for i, (name, ref, latent) in mine:
+            rng = np.random.default_rng([seed, i])
+            for v_index, (preset, variant, bits, sigma, kv, eff) in enumerate([(None, "reference", None, 0.0, 1.0,
+                                                                               16.0)] + list(presets)):
+                d = run / "rollouts" / name / variant
+                d.mkdir(parents=True, exist_ok=True)
+                if kind == "video":
+                    if colours:
+                        x = np.tile(np.array(colours[i][v_index], np.uint8), (frames, *size, 1))
+                        x = np.clip(x + rng.integers(-3, 4, x.shape), 0, 255).astype(np.uint8)
+                    else:
+                        x = ref.astype(np.float64)
+                        x[CAUSAL_FRAMES:] += rng.normal(0, sigma, x[CAUSAL_FRAMES:].shape) if sigma else 0
+                        x = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+                    np.save(d / "frames.npy", x)
+                    save_file({"latents": latent + sigma / 40 * torch.from_numpy(
+                        rng.standard_normal(tuple(latent.shape)).astype(np.float32))}, str(d / "latents.safetensors"))
+                    files = {"frames": "frames.npy", "latents": "latents.safetensors"}
+                    if mp4:
+                        import imageio.v3 as iio
+
+                        iio.imwrite(d / "video.mp4", x, fps=FPS, codec="libx264", macro_block_size=16)
+                        files["video"] = "video.mp4"
+                else:
+                    y = ref + (sigma / 300 * rng.standard_normal(ref.shape)).astype(np.float32)
+                    sf.write(d / "audio.wav", y, SR, subtype="FLOAT")
+                    save_file({"latent": latent + sigma / 40 * torch.from_numpy(
+                        rng.standard_normal(tuple(latent.shape)).astype(np.float32))}, str(d / "latent.safetensors"))
+                    tokens = torch.from_numpy(rng.integers(0, 1024, 455)) if sigma else torch.arange(455)
+                    save_file({"tokens": tokens}, str(d / "tokens.safetensors"))
+                    files = {"audio": "audio.wav", "latent": "latent.safetensors", "tokens": "tokens.safetensors"}
+                info = _rollout_json(kind, name, i, variant, preset, bits, kv, eff, rank, files, seed)
+                (d / "rollout.json").write_text(json.dumps(info))
+                entries.append({"item": name, "variant": variant})
+        manifest = {"config": {"seed": seed, "world_size": world}, "versions": {}, "rollouts": entries, "runs": []}
+        run.mkdir(parents=True, exist_ok=True)
+        (run / f"manifest.rank{rank}.json").write_text(json.dumps(manifest))
+    return items
+
+
+def _report(args, capsys):
+    rc = mmkv_main(["report", *map(str, args)])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _summary(runs, lpips="random"):
+    rs = read_runs(runs)
+    measured = measure_all(rs, Measurer(LpipsChoice(lpips, device="cpu"), device="cpu"))
+    return rs, measured, summarize(measured)
+
+
+@pytest.fixture(scope="module")
+def seed():
+    return int(np.random.default_rng().integers(1 << 30))
+
+
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory, seed):
+    run = tmp_path_factory.mktemp("video") / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=2)
+    return run
+
+
+@pytest.fixture(scope="module")
+def audio_run(tmp_path_factory, seed):
+    run = tmp_path_factory.mktemp("audio") / "run"
+    make_run([(run, 0, 1)], kind="audio", seed=seed, n_items=2)
+    return run
+
+
+def test_main_table_has_table3_shape_and_marks(video_run, audio_run):
+    rs, measured, s = _summary([video_run, audio_run])
+    assert not rs.problems and len(measured) == 2 * 2 * len(PRESETS)
+    t = main_table(s)
+    rows = {(r[t.index("bits")], r[t.index("codec")]): i for i, r in enumerate(t.rows)}
+    # a row per (bits, codec), identity first, then bit widths descending, baselines before OCTOPUS
+    assert [t.rows[i][0] for i in range(len(t.rows))] == [None, 4, 4, 2, 2, 2]
+    assert list(rows)[3:] == [(2, "TurboQuant"), (2, "PolarQuant"), (2, "OCTOPUS")]
+    marks = t.marks()
+    for group in ("causvid", "aar"):
+        first = "lpips" if group == "causvid" else "lsd_db"
+        j = t.index(f"{group}/{first}/mean")
+        assert marks[rows[(2, "OCTOPUS")]][j] == "best" and marks[rows[(2, "PolarQuant")]][j] == "second"
+        assert marks[rows[(2, "TurboQuant")]][j] is None
+        assert marks[rows[(4, "OCTOPUS")]][j] == "best" and marks[rows[(4, "TurboQuant")]][j] == "second"
+        assert t.rows[rows[(2, "OCTOPUS")]][t.index(f"{group}/kv_ratio")] == pytest.approx(3.1)
+        assert t.rows[rows[(2, "OCTOPUS")]][t.index(f"{group}/effective_bits")] == pytest.approx(2.9)
+    # min / mean / max are over items of the per-rollout values cached in metrics.json
+    octo = [m for m in measured if m.test.variant == "octopus_b2_joint1_norm32" and m.test.kind == "video"]
+    vals = [m.metrics["summary"]["lpips"] for m in octo]
+    cached = [json.loads((m.test.dir / "metrics.json").read_text())["summary"]["lpips"] for m in octo]
+    assert vals == cached
+    r = t.rows[rows[(2, "OCTOPUS")]]
+    assert r[t.index("causvid/lpips/min")] == min(vals) and r[t.index("causvid/lpips/max")] == max(vals)
+    assert r[t.index("causvid/lpips/mean")] == pytest.approx(np.mean(vals), rel=1e-12)
+    # identity: identical outputs -> PSNR inf (shown as such), LSD 0, SNR 120 at the cap for every clip
+    ident = t.rows[rows[(None, "Identity")]]
+    assert ident[t.index("causvid/psnr/mean")] == math.inf and ident[t.index("causvid/ssim/min")] == 1.0
+    assert ident[t.index("aar/lsd_db/max")] == 0.0 and ident[t.index("aar/snr_db/min")] == 120.0
+    assert ident[t.index("aar/snr_db/at_cap")] == 1.0
+    md = T.render(t, "md")
+    assert "| inf |" in md and "**" in md and "<u>" in md and "LPIPS†" in md
+    tex = T.render(t, "latex")
+    assert r"\textbf{" in tex and r"\underline{" in tex and r"$\infty$" in tex and r"\multicolumn" in tex
+    assert tex.count(r"\\") >= len(t.rows) + 3
+    rec = json.loads(T.render(t, "json"))["rows"][rows[(None, "Identity")]]
+    assert rec["causvid/psnr/mean"] == "inf"
+    parsed = list(csv.DictReader(io.StringIO(T.render(t, "csv"))))
+    assert parsed[rows[(2, "OCTOPUS")]]["causvid/lpips/mean:rank"] == "1"
+    assert float(parsed[rows[(2, "OCTOPUS")]]["causvid/lpips/mean"]) == pytest.approx(np.mean(vals), rel=1e-12)
+
+
+def test_windowed_means_are_item_means_of_per_frame_means(video_run):
+    _, measured, s = _summary([video_run])
+    t = windows_table(s)
+    octo = sorted((m for m in measured if m.test.variant == "turboquant_b2"), key=lambda m: m.test.item)
+    row = next(r for r in t.rows if r[t.index("preset")] == "turboquant:b=2")
+    for label, sl in (("0–2 s", slice(0, 32)), ("2–5 s", slice(32, 36))):
+        for metric in ("ssim", "lpips"):
+            want = np.mean([np.mean(m.metrics["per_frame"][metric][sl]) for m in octo])
+            assert row[t.index(f"causvid/{metric}/{label}")] == pytest.approx(want, rel=1e-12)
+        want_psnr = np.mean([10 * np.log10(255**2 / np.mean(m.metrics["per_frame"]["mse"][sl])) for m in octo])
+        assert row[t.index(f"causvid/psnr/{label}")] == pytest.approx(want_psnr, rel=1e-12)
+
+
+def test_sharded_runs_report_equal_unsplit(tmp_path, seed, capsys):
+    kw = dict(seed=seed, n_items=3, presets=PRESETS[3:5])
+    make_run([(tmp_path / "whole", 0, 1)], **kw)
+    make_run([(tmp_path / "ranks", 0, 2), (tmp_path / "ranks", 1, 2)], **kw)  # one folder, two manifests
+    make_run([(tmp_path / "shard0", 0, 2), (tmp_path / "shard1", 1, 2)], **kw)  # two run folders
+    outs = {}
+    for name, runs in (("whole", ["whole"]), ("ranks", ["ranks"]), ("folders", ["shard1", "shard0"])):
+        rc, _, err = _report([*(tmp_path / r for r in runs), "--format", "md,csv,json,latex", "--out",
+                              tmp_path / f"out_{name}", "--lpips", "random", "--device", "cpu", "--no-plots"], capsys)
+        assert rc == 0, err
+        outs[name] = {f: (tmp_path / f"out_{name}" / f).read_text() for f in
+                      ("table.md", "table.csv", "table.json", "table.tex", "windows.md", "windows.csv")}
+    assert outs["whole"] == outs["ranks"] == outs["folders"]
+    assert len(outs["whole"]["table.csv"].splitlines()) == 1 + 2
+    assert "| 3 |" in outs["whole"]["table.md"]  # n = 3 items per codec, from both shards
+
+
+def test_missing_and_partial_rollouts_are_named_and_the_rest_tabulated(tmp_path, seed, capsys):
+    run = tmp_path / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=3)
+    (run / "rollouts/p0001/octopus_b2_joint1_norm32/rollout.json").unlink()  # stopped before finishing
+    (run / "rollouts/p0002/turboquant_b4/frames.npy").unlink()  # listed file gone
+    shutil.rmtree(run / "rollouts/p0000/polarquant_b2")  # listed in the manifest, folder gone
+    shutil.rmtree(run / "rollouts/p0002/reference")  # nothing to compare p0002 with
+    rc, out, err = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu"], capsys)
+    assert rc == 0
+    assert "run/rollouts/p0001/octopus_b2_joint1_norm32: partial rollout: rollout.json is missing" in err
+    assert "files present: frames.npy, latents.safetensors" in err
+    assert "run/rollouts/p0002/turboquant_b4: partial rollout: frames.npy missing" in err
+    assert "run/rollouts/p0000/polarquant_b2: missing: listed in manifest.rank0.json" in err
+    assert "run/rollouts/p0002/octopus_b4_joint1_norm32: no reference rollout for item p0002" in err
+    assert "**Problems**" in out and "p0001/octopus_b2_joint1_norm32" in out
+    main = out.split("**Windowed means")[0]
+    lines = {ln.split("|")[2].strip(): ln for ln in main.splitlines() if ln.startswith("| ")}
+    # n per codec: 3 items minus what is missing; LPIPS is off so no LPIPS column at all
+    n_col = [c.strip() for c in lines["codec"].split("|")].index("n")
+    counts = [[c.strip() for c in ln.split("|")][n_col] for ln in main.splitlines() if "| OCTOPUS |" in ln]
+    assert counts == ["2", "1"]  # b=4: p0002 has no reference; b=2: and p0001 is partial
+    assert "LPIPS" not in lines["codec"]
+    rc, _, _ = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu", "--strict"], capsys)
+    assert rc == 1
+
+
+def test_bad_command_lines_get_clear_errors(video_run, tmp_path, capsys):
+    rc, _, err = _report([video_run, "--format", "pdf"], capsys)
+    assert rc == 2 and "unknown report format 'pdf'" in err and "md, csv, json, latex, html" in err
+    rc, _, err = _report([video_run, "--windows", "1,2"], capsys)
+    assert rc == 2 and "start at 0" in err
+    rc, _, err = _report([tmp_path / "nope", "--format", "md", "--lpips", "off"], capsys)
+    assert rc == 1 and "not a directory" in err
+
+
+def test_missing_lpips_trunk_says_where_to_put_it(tmp_path, seed, monkeypatch, capsys):
+    run = tmp_path / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=1, presets=PRESETS[:1])
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    rc, _, err = _report([run, "--format", "md", "--device", "cpu"], capsys)
+    assert rc == 2
+    assert f"{tmp_path / 'torch' / 'hub' / 'checkpoints' / 'alexnet-owt-7be5be79.pth'}" in err
+    assert "--lpips-weights" in err
+
+
+def test_metrics_cache_reused_and_recomputed_when_inputs_change(tmp_path, seed, monkeypatch):
+    run = tmp_path / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=1, presets=PRESETS[2:3])
+    _summary([run], lpips="off")
+    cache = run / "rollouts/p0000/octopus_b4_joint1_norm32/metrics.json"
+    first = cache.read_text()
+
+    import mmkv.metrics
+
+    def boom(*a, **k):
+        raise AssertionError("recomputed although nothing changed")
+
+    monkeypatch.setattr(mmkv.metrics, "video_metrics", boom)
+    _summary([run], lpips="off")  # served from metrics.json
+    monkeypatch.undo()
+    frames = run / "rollouts/p0000/octopus_b4_joint1_norm32/frames.npy"
+    x = np.load(frames)
+    x[-1] = 255 - x[-1]
+    np.save(frames, x)
+    os.utime(frames, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    _, measured, _ = _summary([run], lpips="off")
+    assert cache.read_text() != first
+    assert measured[0].metrics["per_frame"]["mse"][-1] > json.loads(first)["per_frame"]["mse"][-1]
+
+
+def test_plots_are_written(video_run, audio_run, tmp_path):
+    from mmkv.report.plots import frame_curves, rate_quality
+
+    _, _, s = _summary([video_run, audio_run])
+    paths = rate_quality(s, tmp_path) + frame_curves(s, tmp_path)
+    names = {p.name for p in paths}
+    assert {"rate_causvid_lpips.png", "rate_causvid_psnr.png", "rate_aar_lsd_db.png", "rate_aar_snr_db.png",
+            "frames_causvid_psnr.png", "frames_causvid_lpips.png"} <= names
+    import imageio.v3 as iio
+
+    img = iio.imread(tmp_path / "rate_causvid_lpips.png")
+    assert img.shape[0] > 200 and img.shape[1] > 300 and img.std() > 5  # something was drawn
+
+
+COLOURS = [  # per item: reference, codec A, codec B
+    [(220, 30, 30), (30, 200, 40), (30, 60, 220)],
+    [(230, 220, 30), (210, 40, 200), (30, 210, 210)],
+]
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (Debian: apt-get install -y chromium)")
+def test_gallery_renders_the_grid_in_chromium(tmp_path, seed, capsys):
+    run = tmp_path / "run"
+    presets = [PRESETS[3], PRESETS[5]]  # TurboQuant b=2, OCTOPUS b=2
+    make_run([(run, 0, 1)], seed=seed, n_items=2, frames=20, size=(48, 64), presets=presets, mp4=True,
+             colours=COLOURS)
+    out = tmp_path / "out"
+    rc, _, err = _report([run, "--format", "html", "--out", out, "--lpips", "random", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    page = (out / "index.html").read_text()
+    assert page.count('<video class="clip"') == 6 and "../run/rollouts/p0000/reference/video.mp4" in page
+    assert page.count("LPIPS ") >= 4 and '<table class="report"' in page and "plots/rate_causvid_lpips.png" in page
+    shot = tmp_path / "shot.png"
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000", f"--screenshot={shot}",
+           "--window-size=1200,900", (out / "index.html").as_uri()]
+    subprocess.run(cmd, capture_output=True, timeout=90, check=False)
+    assert shot.is_file(), "chromium wrote no screenshot"
+    import imageio.v3 as iio
+
+    img = iio.imread(shot)[..., :3].astype(int)
+    centres = {}
+    for i, row in enumerate(COLOURS):
+        for j, colour in enumerate(row):
+            mask = np.abs(img - np.array(colour)).max(axis=-1) < 40
+            assert mask.sum() > 3000, f"item {i} column {j} ({colour}) is not on the page"
+            ys, xs = np.nonzero(mask)
+            centres[i, j] = (ys.mean(), xs.mean())
+    for i in range(2):  # reference left of the codecs, codecs in table order, item 0 above item 1
+        assert centres[i, 0][1] < centres[i, 1][1] < centres[i, 2][1]
+        assert abs(centres[i, 0][0] - centres[i, 2][0]) < 30
+    assert centres[0, 0][0] < centres[1, 0][0] - 50
