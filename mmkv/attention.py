@@ -35,8 +35,8 @@ from mmkv.codecs.base import Codec, Encoded
 BACKENDS = ("auto", "reference", "decode")
 
 # Score elements per query chunk on the explicit (score / log-sum-exp) path: bounds the fp32 [.., Tq, Tk] score
-# scratch to 32 MiB per tile (a whole 4680-query video block over 6240 keys x 12 heads would be 1.4 GB).
-_SCORE_ELEMENTS = 1 << 23
+# scratch to 64 MiB per tile (a whole 4680-query video block over 6240 keys x 12 heads would be 1.4 GB).
+_SCORE_ELEMENTS = 1 << 24
 
 
 class AttentionError(ValueError):
@@ -236,18 +236,22 @@ def _attend_split(
 ) -> torch.Tensor:
     """Encoded segments through a kernel or the score estimator, native ones exactly; merged via log-sum-exp."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fold(part: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # merge as we go, so one running output is held instead of one per segment
+        return part if acc is None else merge_lse([acc, part])
+
     encoded = [s for s in segments if s.encoded]
     if kernel is not None:
         out, lse = kernel(q, encoded, scale)
-        parts.append((out.float(), lse.float()))
+        acc = fold((out.float(), lse.float()))
     else:
         for seg in encoded:
             v = seg.v_codec.decode(seg.v_enc, dtype=torch.float32)[..., seg.skip_tokens :, :]
-            parts.append(scores_lse(q, seg.k_codec, seg.k_enc, v, scale, seg.skip_tokens))
+            acc = fold(scores_lse(q, seg.k_codec, seg.k_enc, v, scale, seg.skip_tokens))
     native = [s for s in segments if not s.encoded]
     if native or k_cur is not None:
         k, v = gather(native, k_cur, v_cur, q.dtype)
-        parts.append(attention_lse(q, k, v, scale))
-    out, _ = merge_lse(parts)
-    return out.to(q.dtype)
+        acc = fold(attention_lse(q, k, v, scale))
+    return acc[0].to(q.dtype)
