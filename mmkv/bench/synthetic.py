@@ -1,0 +1,578 @@
+"""`mmkv bench synthetic`: the OCTOPUS section 4.1 synthetic probe, its App. D bit-allocation sweep, and an iso-rate
+TurboQuant baseline the papers do not run.
+
+Protocol (OCTOPUS seed section 4.1; codecs.md section 6.0):
+- reconstruction: per seed, n = 1024 keys and 16 queries drawn from N(0, I_d); per codec, MSE = mean
+  ||k - k_hat||^2 / ||k||^2, cosine = mean cos(k, k_hat), IP error = mean |q.k - score(q, k)| over all query-key pairs
+  with the codec's own score estimator (`Codec.scores`: the QJL estimators for the QJL family, q.k_hat otherwise);
+  effective bits per coordinate are measured from the bytes the codec really stores (`Encoded.nbytes`).
+- needle: per seed, one needle key planted at a random position among T = 2048 distractors, all drawn from N(0, I_d)
+  and scaled to norm sqrt(d); the query is the needle plus noise of 10% of its norm; logits q.k / sqrt(d); we report the
+  softmax mass on the needle. The fp32 baseline is 0.960 at d = 128 (e^sqrt(d) against 2048 * e^(1/2)).
+- App. D sweep: OCTOPUS at (b_dir, b_nrm) = (b + delta, b - delta), delta in -2..2, around each b; the total rate moves
+  with delta (3b + delta bits per triplet), so each row carries its measured effective bits.
+- iso-rate: TurboQuant-MSE with `hi` of its d rotated coordinates at one more bit, `hi` chosen so that its measured
+  effective bits equal each default OCTOPUS point's (codecs.md section 6.4, A1).
+
+Batching: all seeds of one codec config are encoded in one call, the seed axis being the codec's head axis (dim -3),
+so every seed gets its own rotation signs (one per head, codecs.md A3); chunks of `SEED_CHUNK` seeds use a codec built
+with `seed = derive_seed(--seed, section, chunk)`. A codec whose heads are coupled (OScaR's per-token norm over all
+heads) or share one rotation (PolarQuant) is detected once by a probe (`seed_axis`) and then run one seed at a time,
+seed s with its own single-head codec built with `seed = derive_seed(--seed, section, "seed", s)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, build, derive_seed, get_codec_class, names
+
+# Seeds per encode call. Fixed (not derived from the machine) so that results do not depend on where they ran.
+SEED_CHUNK = 8
+
+# Codecs left out of the default run: the byte-exact baseline.
+EXCLUDED_BY_DEFAULT = ("identity",)
+
+# Preset templates per codec at nominal bits {b}; several templates give several rows (OCTOPUS with and without
+# joint rounding). A registered codec missing here runs with its bits parameter ('b' or 'bits') set to {b}.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "octopus": ("octopus:b={b},joint=0", "octopus:b={b},joint=1"),
+    "octopus-qjl": ("octopus-qjl:b={b}",),
+    "turboquant-mse": ("turboquant-mse:b={b}",),
+    "turboquant-prod": ("turboquant-prod:b={b}",),
+    "qjl": ("qjl:bits={b}",),
+    "polarquant": ("polarquant:b={b}",),
+    "kivi": ("kivi:bits={b},group=32",),
+    "oscar": ("oscar:bits={b},group=32",),
+    "groupquant": ("groupquant:bits={b},group=32",),
+}
+
+ROW_FIELDS = (
+    "section", "codec", "config", "bits", "effective_bits", "mse", "mse_se", "cosine", "ip_error", "ip_error_se",
+    "ip_bias", "needle_mass", "needle_mass_se", "dim", "seeds", "needle_seeds", "delta", "b_dir", "b_nrm", "matches",
+)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    dim: int = 128
+    seeds: int = 64
+    keys: int = 1024
+    queries: int = 16
+    needle_tokens: int = 2048  # distractors; the needle makes T + 1 keys
+    needle_seeds: int = 128
+    needle_noise: float = 0.1
+    seed: int = 0
+    device: str = "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data (private generators only; never the global RNG)
+
+
+def _gen(p: Protocol, *keys: Any) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(derive_seed(p.seed, "bench-synthetic", p.dim, *keys))
+    return g
+
+
+def reconstruction_data(p: Protocol) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [S, n, d] and queries [S, m, d], i.i.d. N(0, 1), one private generator per seed."""
+    ks, qs = [], []
+    for s in range(p.seeds):
+        g = _gen(p, "keys", s)
+        ks.append(torch.randn(p.keys, p.dim, generator=g))
+        qs.append(torch.randn(p.queries, p.dim, generator=g))
+    return torch.stack(ks).to(p.device), torch.stack(qs).to(p.device)
+
+
+def needle_data(p: Protocol) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys [S, T+1, d] with norm sqrt(d), queries [S, 1, d] (needle + 10% relative noise), needle positions [S]."""
+    ks, qs, pos = [], [], []
+    t = p.needle_tokens + 1
+    for s in range(p.needle_seeds):
+        g = _gen(p, "needle", s)
+        k = torch.randn(t, p.dim, generator=g)
+        k = k * (math.sqrt(p.dim) / k.norm(dim=-1, keepdim=True))
+        j = int(torch.randint(0, t, (1,), generator=g))
+        z = torch.randn(p.dim, generator=g)
+        q = k[j] + p.needle_noise * k[j].norm() * z / z.norm()
+        ks.append(k)
+        qs.append(q[None])
+        pos.append(j)
+    return torch.stack(ks).to(p.device), torch.stack(qs).to(p.device), torch.tensor(pos, device=p.device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running a codec over many seeds
+
+
+_SEED_AXIS: dict[str, str] = {}
+
+
+def seed_axis(config: CodecConfig, dim: int) -> str:
+    """How seeds are batched for this codec: "heads" (seed s = head s of one multi-head codec) or "loop" (one
+    single-head codec per seed).
+
+    Seeds may ride the head axis only if (1) head h's output depends only on head h's input (OScaR pools a per-token
+    norm over all heads: it does not) and (2) every head gets its own randomness, or the codec has none (PolarQuant
+    shares one rotation across heads, as its paper does: it does not). Both are probed once on random data.
+    """
+    key = f"{config}@{dim}"
+    if key not in _SEED_AXIS:
+        g = torch.Generator().manual_seed(derive_seed(0, "seed-axis-probe", dim))
+        x = torch.randn(2, 64, dim, generator=g)
+        other = x.clone()
+        other[1] = 3.0 * torch.randn(64, dim, generator=g)
+        same = torch.stack((x[0], x[0]))
+
+        def dec(codec: Codec, v: torch.Tensor) -> torch.Tensor:
+            return codec.decode(codec.encode(v), dtype=torch.float32)
+
+        c0 = build(config, head_dim=dim, num_heads=2, seed=0)
+        c1 = build(config, head_dim=dim, num_heads=2, seed=1)
+        independent = torch.equal(dec(c0, x)[0], dec(c0, other)[0])
+        d_same = dec(c0, same)
+        shared = torch.equal(d_same[0], d_same[1])
+        seeded = not torch.equal(d_same, dec(c1, same))
+        _SEED_AXIS[key] = "heads" if independent and (not shared or not seeded) else "loop"
+    return _SEED_AXIS[key]
+
+
+def _chunks(total: int, size: int) -> list[range]:
+    return [range(i, min(i + size, total)) for i in range(0, total, size)]
+
+
+def encode_seeds(config: CodecConfig, x: torch.Tensor, p: Protocol, section: str):
+    """Yield (codec, encoded, index range) over chunks of the seed axis (dim 0 of x[S, T, d])."""
+    if seed_axis(config, p.dim) == "heads":
+        for c, idx in enumerate(_chunks(x.shape[0], SEED_CHUNK)):
+            codec = build(config, head_dim=p.dim, num_heads=len(idx), seed=derive_seed(p.seed, section, c))
+            yield codec, codec.encode(x[idx.start : idx.stop]), idx
+    else:
+        for s in range(x.shape[0]):
+            codec = build(config, head_dim=p.dim, num_heads=1, seed=derive_seed(p.seed, section, "seed", s))
+            yield codec, codec.encode(x[s]), range(s, s + 1)
+
+
+def _scores(codec: Codec, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
+    return codec.scores(q if codec.num_heads > 1 else q[0], enc).reshape(q.shape[0], q.shape[1], -1).float()
+
+
+def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
+    """Mean over seeds and its standard error (None from a single seed)."""
+    v = values.double()
+    se = float(v.std(unbiased=True) / math.sqrt(v.numel())) if v.numel() > 1 else None
+    return float(v.mean()), se
+
+
+def measure_reconstruction(config: CodecConfig, keys: torch.Tensor, queries: torch.Tensor, p: Protocol) -> dict:
+    mse, cos, ip, bias = [], [], [], []
+    nbytes = numel = 0
+    for codec, enc, idx in encode_seeds(config, keys, p, "reconstruction"):
+        k = keys[idx.start : idx.stop]
+        q = queries[idx.start : idx.stop]
+        k_hat = codec.decode(enc, dtype=torch.float32).reshape(k.shape)
+        nbytes += codec.nbytes(enc)
+        numel += k.numel()
+        mse.append((((k - k_hat) ** 2).sum(-1) / (k**2).sum(-1)).mean(-1))
+        cos.append(torch.nn.functional.cosine_similarity(k, k_hat, dim=-1, eps=1e-30).mean(-1))
+        err = _scores(codec, q, enc) - q @ k.transpose(-1, -2)
+        ip.append(err.abs().mean((-1, -2)))
+        bias.append(err.mean((-1, -2)))
+    mse_m, mse_se = _mean_se(torch.cat(mse))
+    ip_m, ip_se = _mean_se(torch.cat(ip))
+    return {
+        "effective_bits": 8.0 * nbytes / numel,
+        "mse": mse_m,
+        "mse_se": mse_se,
+        "cosine": float(torch.cat(cos).double().mean()),
+        "ip_error": ip_m,
+        "ip_error_se": ip_se,
+        "ip_bias": float(torch.cat(bias).double().mean()),
+    }
+
+
+def needle_mass_from_scores(scores: torch.Tensor, pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """scores [S, 1, T+1] (q.k estimates) -> softmax mass on the needle per seed, logits q.k / sqrt(d)."""
+    probs = torch.softmax(scores.double() / math.sqrt(dim), dim=-1)[:, 0, :]
+    return probs.gather(-1, pos.view(-1, 1))[:, 0]
+
+
+def measure_needle(config: CodecConfig | None, keys: torch.Tensor, queries: torch.Tensor, pos: torch.Tensor,
+                   p: Protocol) -> tuple[float, float]:
+    """Mean (and standard error) softmax mass on the needle; `config=None` is the exact fp32 baseline."""
+    if config is None:
+        return _mean_se(needle_mass_from_scores(queries @ keys.transpose(-1, -2), pos, p.dim))
+    masses = []
+    for codec, enc, idx in encode_seeds(config, keys, p, "needle"):
+        s = _scores(codec, queries[idx.start : idx.stop], enc)
+        masses.append(needle_mass_from_scores(s, pos[idx.start : idx.stop], p.dim))
+    return _mean_se(torch.cat(masses))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which configs
+
+
+def bits_key(codec_cls: type[Codec]) -> str | None:
+    for key in ("b", "bits"):
+        if key in codec_cls.defaults:
+            return key
+    return None
+
+
+def default_codecs() -> list[str]:
+    """Every registered codec except the byte-exact baseline."""
+    return [n for n in names() if n not in EXCLUDED_BY_DEFAULT]
+
+
+def configs_for(name_or_preset: str, bits: list[int]) -> list[tuple[int | None, CodecConfig]]:
+    """(nominal bits, config) rows for a codec name (expanded over `bits`) or one explicit preset."""
+    if ":" in name_or_preset:
+        cfg = CodecConfig.parse(name_or_preset)
+        key = bits_key(get_codec_class(cfg.name))
+        return [(cfg.get(key) if key else None, cfg)]
+    name = name_or_preset.strip().lower()
+    cls = get_codec_class(name)
+    templates = PRESETS.get(name)
+    if templates is None:
+        key = bits_key(cls)
+        if key is None:
+            return [(None, CodecConfig.parse(name))]
+        templates = (f"{name}:{key}={{b}}",)
+    return [(b, CodecConfig.parse(t.format(b=b))) for b in bits for t in templates]
+
+
+# OCTOPUS's per-coordinate direction and triplet-norm widths, read from octopus.py's parameter names.
+def octopus_sweep_configs(b: int) -> list[tuple[int, CodecConfig]]:
+    """App. D: (b_dir, b_nrm) = (b + delta, b - delta), delta in -2..2, without joint rounding; widths the codec
+    rejects (e.g. a 0-bit direction) are skipped."""
+    cls = get_codec_class("octopus")
+    dir_key, nrm_key = _octopus_width_keys(cls)
+    out = []
+    for delta in range(-2, 3):
+        preset = f"octopus:b={b},joint=0,{dir_key}={b + delta},{nrm_key}={b - delta}"
+        try:
+            cfg = CodecConfig.parse(preset)
+            build(cfg, head_dim=8, seed=0)
+        except CodecError:
+            continue
+        out.append((delta, cfg))
+    return out
+
+
+def _octopus_width_keys(cls: type[Codec]) -> tuple[str, str]:
+    params = set(cls.defaults) | set(cls.aliases)
+    for d_key, n_key in (("dir", "rho"), ("b_dir", "b_nrm")):
+        if d_key in params and n_key in params:
+            return d_key, n_key
+    raise CodecError(f"octopus has no direction/norm bit parameters I know of; its parameters: {sorted(params)}")
+
+
+def canonical(cfg: CodecConfig) -> str:
+    """A config string with OCTOPUS's "auto" widths resolved, so a sweep point equal to a default row is measured once."""
+    if cfg.name in ("octopus", "octopus-qjl") and isinstance(cfg.get("b"), int):
+        b = cfg["b"]
+        cfg = cfg.replace(dir=b + 1 if cfg.get("dir") == "auto" else cfg.get("dir"),
+                          rho=b - 1 if cfg.get("rho") == "auto" else cfg.get("rho"))
+    return str(cfg)
+
+
+def iso_rate_config(target_bits: float, p: Protocol) -> CodecConfig:
+    """TurboQuant-MSE mixing b_lo and b_lo + 1 bits over channels (`hi` channels at b_lo + 1) whose measured effective
+    bits come closest to `target_bits` (codecs.md section 6.4)."""
+    probe = torch.randn(1, 16, p.dim, generator=torch.Generator().manual_seed(0))
+    best: tuple[float, CodecConfig] | None = None
+    b_lo = max(1, int(math.floor(target_bits)) - 1)
+    for b in (b_lo, b_lo + 1):
+        try:
+            base = build(f"turboquant-mse:b={b}", head_dim=p.dim)
+        except CodecError:
+            continue
+        e0 = base.encode(probe).effective_bits
+        hi = int(round((target_bits - e0) * p.dim))
+        for h in sorted({min(max(hi + j, 0), p.dim) for j in (-1, 0, 1)}):
+            try:
+                cfg = CodecConfig.parse(f"turboquant-mse:b={b},hi={h}")
+                eff = build(cfg, head_dim=p.dim).encode(probe).effective_bits
+            except CodecError:
+                continue
+            if best is None or abs(eff - target_bits) < abs(best[0] - target_bits):
+                best = (eff, cfg)
+    if best is None:
+        raise CodecError(f"no turboquant-mse preset reaches {target_bits:.3f} effective bits at d={p.dim}")
+    return best[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def _row(section: str, cfg: CodecConfig, bits: int | None, p: Protocol, **extra: Any) -> dict:
+    row = {f: None for f in ROW_FIELDS}
+    row.update(section=section, codec=cfg.name, config=str(cfg), bits=bits, dim=p.dim, seeds=p.seeds)
+    row.update(extra)
+    return row
+
+
+def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: bool = True, sweep: bool = True,
+                 iso_rate: bool = True, log=None) -> list[dict]:
+    """Every row of the benchmark as a list of dicts (fields `ROW_FIELDS`)."""
+    log = log or (lambda msg: None)
+    keys, queries = reconstruction_data(p)
+    nk = nq = npos = None
+    if needle:
+        nk, nq, npos = needle_data(p)
+    rows: list[dict] = []
+    recon: dict[str, dict] = {}  # canonical config -> reconstruction stats (a sweep point may equal a default row)
+    hay: dict[str, tuple[float, float | None]] = {}  # canonical config -> needle mass
+
+    def measure(section: str, cfg: CodecConfig, b: int | None, with_needle: bool, **extra: Any) -> dict:
+        t0 = time.perf_counter()
+        key = canonical(cfg)
+        if key not in recon:
+            recon[key] = measure_reconstruction(cfg, keys, queries, p)
+        row = _row(section, cfg, b, p, **recon[key], **extra)
+        if with_needle:
+            if key not in hay:
+                hay[key] = measure_needle(cfg, nk, nq, npos, p)
+            row["needle_mass"], row["needle_mass_se"] = hay[key]
+            row["needle_seeds"] = p.needle_seeds
+        rows.append(row)
+        log(f"  {section:<9} {str(cfg):<52} {time.perf_counter() - t0:6.2f} s")
+        return row
+
+    if needle:
+        m, se = measure_needle(None, nk, nq, npos, p)
+        rows.append({**{f: None for f in ROW_FIELDS}, "section": "table1", "codec": "fp32", "config": "fp32",
+                     "bits": 32, "effective_bits": 32.0, "mse": 0.0, "mse_se": 0.0, "cosine": 1.0, "ip_error": 0.0,
+                     "ip_error_se": 0.0, "ip_bias": 0.0, "needle_mass": m, "needle_mass_se": se, "dim": p.dim,
+                     "seeds": p.seeds, "needle_seeds": p.needle_seeds})
+
+    octopus_points: list[tuple[int, dict]] = []
+    for name in codecs:
+        for b, cfg in configs_for(name, bits):
+            row = measure("table1", cfg, b, needle)
+            if cfg.name == "octopus" and not cfg.get("joint", False):
+                octopus_points.append((b, row))
+
+    if sweep and "octopus" in names():
+        for b in bits:
+            for delta, cfg in octopus_sweep_configs(b):
+                d_key, n_key = _octopus_width_keys(get_codec_class("octopus"))
+                # App. D is an MSE landscape: reconstruction only, no needle.
+                measure("sweep", cfg, b, False, delta=delta, b_dir=cfg.get(d_key), b_nrm=cfg.get(n_key))
+
+    if iso_rate and "turboquant-mse" in names():
+        for b, orow in octopus_points:
+            cfg = iso_rate_config(orow["effective_bits"], p)
+            measure("iso-rate", cfg, b, needle, matches=orow["config"])
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+
+
+# (field, header, format) of every row field; `show=False` fields go to CSV/JSON only.
+_COLUMNS: dict[str, tuple[str, str]] = {
+    "section": ("section", "{}"), "codec": ("codec", "{}"), "config": ("config", "{}"), "bits": ("b", "{}"),
+    "effective_bits": ("eff. bits", "{:.3f}"), "mse": ("MSE", "{:.4f}"), "mse_se": ("MSE s.e.", "{:.1e}"),
+    "cosine": ("cosine", "{:.4f}"), "ip_error": ("IP error", "{:.3f}"), "ip_error_se": ("IP s.e.", "{:.1e}"),
+    "ip_bias": ("IP bias", "{:+.3f}"), "needle_mass": ("needle", "{:.3f}"), "needle_mass_se": ("needle s.e.", "{:.1e}"),
+    "dim": ("d", "{}"), "seeds": ("seeds", "{}"), "needle_seeds": ("needle seeds", "{}"), "delta": ("δ", "{:+d}"),
+    "b_dir": ("b_dir", "{}"), "b_nrm": ("b_nrm", "{}"), "matches": ("matches", "{}"),
+}
+
+
+def _table(name: str, title: str, rows: list[dict], shown: list[str], notes: list[str] | None = None):
+    from mmkv.report.tables import Column, Table
+
+    fields = shown + [f for f in ROW_FIELDS if f not in shown]
+    columns = [Column(f, (_COLUMNS[f][0],), _COLUMNS[f][1], show=f in shown) for f in fields]
+    return Table(name, title, columns, [[r.get(f) for f in fields] for r in rows], notes=list(notes or []))
+
+
+def tables(rows: list[dict], p: Protocol) -> list:
+    """The report tables (`mmkv.report.tables.Table`): matched nominal b, the App. D sweep, the iso-rate rows."""
+    main = ["codec", "config", "bits", "effective_bits", "mse", "cosine", "ip_error", "needle_mass"]
+    t1 = sorted((r for r in rows if r["section"] == "table1"),
+                key=lambda r: (r["codec"] != "fp32", r["bits"] is None, r["bits"] or 0, r["codec"], r["config"]))
+    out = [_table(
+        "synthetic", f"Synthetic probe (OCTOPUS 4.1), d={p.dim}: {p.keys} N(0,I) keys x {p.queries} queries x "
+        f"{p.seeds} seeds; needle: 1 in T={p.needle_tokens} distractors x {p.needle_seeds} seeds", t1, main,
+        ["eff. bits: measured from the stored bytes, side information included.",
+         "IP error: mean |q.k - score| with the codec's own estimator; needle: softmax mass on the needle."])]
+    sw = [r for r in rows if r["section"] == "sweep"]
+    if sw:
+        out.append(_table("synthetic_sweep", "OCTOPUS bit-allocation sweep (App. D): (b_dir, b_nrm) = (b+δ, b-δ), "
+                          "no joint rounding; the rate moves with δ", sw,
+                          ["bits", "delta", "b_dir", "b_nrm", "effective_bits", "mse", "cosine", "ip_error"]))
+    iso = [r for r in rows if r["section"] == "iso-rate"]
+    if iso:
+        out.append(_table("synthetic_iso_rate", "Iso-rate: TurboQuant-MSE with `hi` channels at b+1 bits, at each "
+                          "OCTOPUS point's effective bits", iso,
+                          ["bits", "matches", "config", "effective_bits", "mse", "cosine", "ip_error", "needle_mass"]))
+    return out
+
+
+def render_markdown(rows: list[dict], p: Protocol, seconds: float | None = None) -> str:
+    from mmkv.report.tables import to_markdown
+
+    text = "\n".join(to_markdown(t) for t in tables(rows, p))
+    if seconds is not None:
+        text += f"\nRuntime: {seconds:.1f} s\n"
+    return text
+
+
+def write_json(rows: list[dict], path: Path) -> None:
+    """A JSON list of rows (every `ROW_FIELDS` key; non-finite numbers as strings, the table writer's convention)."""
+    from mmkv.pipelines.common import atomic_write_text
+    from mmkv.report.tables import to_dict
+
+    records = to_dict(_table("synthetic_all", "all rows", rows, list(ROW_FIELDS)))["rows"]
+    atomic_write_text(path, json.dumps(records, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """All rows in one CSV, columns `ROW_FIELDS`."""
+    from mmkv.pipelines.common import atomic_write_text
+    from mmkv.report.tables import to_csv
+
+    atomic_write_text(path, to_csv(_table("synthetic_all", "all rows", rows, list(ROW_FIELDS))))
+
+
+def write_plot(rows: list[dict], path: Path, p: Protocol) -> None:
+    """MSE (log) and needle mass against measured effective bits, one series per codec (and per section)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mmkv.pipelines.common import atomic_path
+
+    fig, (ax_m, ax_n) = plt.subplots(1, 2, figsize=(13, 5.2))
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["codec"] == "fp32":
+            continue
+        label = r["codec"] if r["section"] == "table1" else f"{r['codec']} ({r['section']})"
+        if r["codec"] == "octopus" and r["section"] == "table1":
+            label = "octopus joint" if "joint=1" in r["config"] else "octopus"
+        series.setdefault(label, []).append(r)
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, rs) in enumerate(sorted(series.items())):
+        rs = sorted(rs, key=lambda r: r["effective_bits"])
+        style = dict(color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], marker="osD^v<>ph*"[i % 10], ms=4,
+                     ls=":" if "sweep" in label else ("--" if "iso-rate" in label else "-"))
+        ax_m.plot([r["effective_bits"] for r in rs], [max(r["mse"], 1e-12) for r in rs], label=label, **style)
+        nd = [r for r in rs if r["needle_mass"] is not None]
+        if nd:
+            ax_n.plot([r["effective_bits"] for r in nd], [r["needle_mass"] for r in nd], label=label, **style)
+    fp32 = [r for r in rows if r["codec"] == "fp32"]
+    if fp32:
+        ax_n.axhline(fp32[0]["needle_mass"], color="k", lw=0.8, ls="--", label="fp32")
+    ax_m.set_yscale("log")
+    ax_m.set_ylabel("MSE  ||k - k_hat||^2 / ||k||^2")
+    ax_n.set_ylabel("softmax mass on the needle")
+    ax_m.set_title(f"reconstruction, d={p.dim}, {p.seeds} seeds")
+    ax_n.set_title(f"needle, T={p.needle_tokens}, {p.needle_seeds} seeds")
+    for ax in (ax_m, ax_n):
+        ax.set_xlabel("effective bits per coordinate (measured)")
+        ax.grid(alpha=0.3)
+    ax_m.legend(fontsize=7, loc="upper right", ncol=2)
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format=(path.suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one bit width")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dim", type=int, default=128, help="head dim d (default 128)")
+    parser.add_argument("--seeds", type=int, default=64, help="seeds for the reconstruction probe (default 64)")
+    parser.add_argument("--bits", type=_int_list, default=[2, 3, 4], help="nominal bit widths (default 2,3,4)")
+    parser.add_argument("--codecs", default=None,
+                        help="comma-separated codec names or presets (';'-separated if a preset has commas); default: "
+                             "every registered codec except identity")
+    parser.add_argument("--keys", type=int, default=1024, help="keys per seed (default 1024)")
+    parser.add_argument("--queries", type=int, default=16, help="queries per seed (default 16)")
+    parser.add_argument("--needle-tokens", type=int, default=2048, help="needle distractors T (default 2048)")
+    parser.add_argument("--needle-seeds", type=int, default=128, help="needle seeds (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed for data and rotations (default 0)")
+    parser.add_argument("--no-needle", action="store_true", help="skip the needle experiment")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the OCTOPUS App. D bit-allocation sweep")
+    parser.add_argument("--no-iso-rate", action="store_true", help="skip the iso-rate TurboQuant rows")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list")
+    parser.add_argument("--csv", type=Path, default=None, help="write the rows as CSV")
+    parser.add_argument("--plot", type=Path, default=None, help="plot MSE and needle mass against effective bits")
+    parser.add_argument("--quiet", action="store_true", help="no per-config progress on stderr")
+
+
+def _codec_list(text: str | None) -> list[str]:
+    if text is None:
+        return default_codecs()
+    if ";" in text:
+        return [t.strip() for t in text.split(";") if t.strip()]
+    # Commas separate codecs unless they sit inside a preset's parameter list (`name:k=v,k=v`).
+    items: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if items and ":" in items[-1] and "=" in part and ":" not in part:
+            items[-1] += "," + part
+        else:
+            items.append(part)
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dim < 2:
+        raise ValueError(f"--dim must be >= 2, got {args.dim}")
+    for flag in ("seeds", "keys", "queries", "needle_tokens", "needle_seeds"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    p = Protocol(dim=args.dim, seeds=args.seeds, keys=args.keys, queries=args.queries,
+                 needle_tokens=args.needle_tokens, needle_seeds=args.needle_seeds, seed=args.seed, device=args.device)
+    codecs = _codec_list(args.codecs)
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    rows = run_protocol(p, codecs, list(args.bits), needle=not args.no_needle,
+                        sweep=not args.no_sweep and (args.codecs is None or "octopus" in codecs),
+                        iso_rate=not args.no_iso_rate, log=log)
+    seconds = time.perf_counter() - t0
+    sys.stdout.write(render_markdown(rows, p, seconds))
+    if args.json:
+        write_json(rows, args.json)
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.plot:
+        write_plot(rows, args.plot, p)
+    return 0
