@@ -348,8 +348,6 @@ class KVStore:
                 f"{where}: appending units out of order: first_unit={first_unit} but this layer holds units "
                 f"0..{st.next_unit - 1} of the rollout, so the next unit is {st.next_unit} (reset() starts a rollout)"
             )
-        if st.batch is None:
-            st.batch, st.dtype, st.device = k.shape[0], k.dtype, k.device
         per = tokens // num_units
         first, total = st.next_unit, st.next_unit + num_units
         new = {
@@ -357,23 +355,49 @@ class KVStore:
             for i in range(num_units)
         }
 
-        # 1. Rolling window: evict before encoding, so an evicted unit is never encoded for nothing.
+        # 1. Which units leave the native window now. Units the rolling window evicts in this append are dropped
+        #    first, so an evicted unit is never encoded for nothing.
         live = self._live_predicate(total)
-        self._evict(st, live)
-        for unit in [u for u in new if not live(u)]:
-            del new[unit]
-            st.evicted_units += 1
-
-        # 2. Encode the units that leave the native window (existing native units first, then new ones).
-        natives = {s.first_unit: s for s in st.segs if not s.encoded}
+        natives = {s.first_unit: s for s in st.segs if not s.encoded and live(s.first_unit)}
+        new = {u: t for u, t in new.items() if live(u)}
         leaving = sorted(u for u in list(natives) + list(new) if not self._stays_native(layer, u, total))
-        for group in self._groups(leaving):
-            self._encode(layer, st, group, natives, new)
 
-        # 3. The rest of the new units join the native window (a copy: a view would pin the caller's whole block).
+        # 2. Encode them (exactly once) before touching the store, so a failing encode leaves it as it was.
+        staged = []
+        for group in self._groups(leaving):
+            try:
+                staged.append(self._encode(layer, group, natives, new))
+            except CodecError as err:
+                raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
+
+        # 3. Commit: evict, swap encoded segments in for their native sources, add the rest of the new units
+        #    natively (a copy: a view would pin the caller's whole block).
+        if st.batch is None:
+            st.batch, st.dtype, st.device = k.shape[0], k.dtype, k.device
+        st.evicted_units += num_units - len(new)  # new units already outside the rolling window
+        self._evict(st, live)
+        for seg, sources, numel in staged:
+            st.segs.append(seg)
+            self._add_bytes(st, seg.nbytes)  # the encoded copy exists before the native one is freed: count both
+            st.k_encoded_nbytes += seg.k_nbytes
+            st.v_encoded_nbytes += seg.v_nbytes
+            st.encoded_numel += numel
+            st.encoded_units.extend(range(seg.first_unit, seg.end_unit))
+            st.encode_calls += 1
+        for seg, sources, _ in staged:
+            for src in sources:
+                st.segs.remove(src)
+                self._add_bytes(st, -src.nbytes)
+        encoded = {u for seg, _, _ in staged for u in range(seg.first_unit, seg.end_unit)}
         for unit, (ku, vu) in new.items():
-            seg = _Seg(unit, (per,), k=ku.clone(memory_format=torch.contiguous_format),
-                       v=vu.clone(memory_format=torch.contiguous_format))
+            if unit in encoded:
+                continue
+            seg = _Seg(
+                unit,
+                (per,),
+                k=ku.clone(memory_format=torch.contiguous_format),
+                v=vu.clone(memory_format=torch.contiguous_format),
+            )
             st.segs.append(seg)
             self._add_bytes(st, seg.nbytes)
         st.segs.sort(key=lambda s: s.first_unit)
@@ -411,35 +435,26 @@ class KVStore:
     def _encode(
         self,
         layer: int,
-        st: _Layer,
         group: list[int],
         natives: dict[int, _Seg],
         new: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
+    ) -> tuple[_Seg, list[_Seg], int]:
+        """Encode one group of consecutive units; returns (encoded segment, native segments it replaces, K numel)."""
         ks, vs, sources = [], [], []
         for unit in group:
             if unit in new:
-                ku, vu = new.pop(unit)
+                ku, vu = new[unit]
             else:
-                seg = natives.pop(unit)
-                ku, vu = seg.k, seg.v
-                sources.append(seg)
+                src = natives[unit]
+                ku, vu = src.k, src.v
+                sources.append(src)
             ks.append(ku)
             vs.append(vu)
         k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         kc, vc = self._k_codecs[layer], self._v_codecs[layer]
         seg = _Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k), v_enc=vc.encode(v))
-        st.segs.append(seg)
-        self._add_bytes(st, seg.nbytes)  # the encoded copy exists before the native one is freed: count both
-        st.k_encoded_nbytes += seg.k_nbytes
-        st.v_encoded_nbytes += seg.v_nbytes
-        st.encoded_numel += k.numel()
-        st.encoded_units.extend(group)
-        st.encode_calls += 1
-        for src in sources:
-            st.segs.remove(src)
-            self._add_bytes(st, -src.nbytes)
+        return seg, sources, k.numel()
 
     def _evict(self, st: _Layer, live) -> None:
         for seg in list(st.segs):

@@ -423,6 +423,20 @@ def test_bad_input_gets_a_clear_error(call, match):
         call(_written_store())
 
 
+def test_failed_encode_leaves_the_store_unchanged():
+    gen = torch.Generator().manual_seed(16)
+    store = store_for("groupquant:bits=2,group=16", residual_window=0)
+    store.append(0, rand(gen, UNIT), rand(gen, UNIT))
+    before = (store.nbytes(), store.num_units(0), store.encoded_units(0), store.stats())
+    k = rand(gen, UNIT)
+    k[0, 1, 2, 3] = float("nan")
+    with pytest.raises(KVCacheError, match=r"encoding units \[1\] failed; nothing was stored.*NaN"):
+        store.append(0, k, rand(gen, UNIT))
+    assert (store.nbytes(), store.num_units(0), store.encoded_units(0), store.stats()) == before
+    store.append(0, rand(gen, UNIT), rand(gen, UNIT), first_unit=1)  # the rollout goes on from where it was
+    assert store.encoded_units(0) == [0, 1]
+
+
 def test_codec_whose_head_dim_the_layer_lacks():
     pow2 = [n for n in ALL_CODECS if get_codec_class(n).requires_pow2]
     assert pow2, "expected at least one codec with a Walsh-Hadamard rotation"
