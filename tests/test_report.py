@@ -224,6 +224,8 @@ def test_missing_and_partial_rollouts_are_named_and_the_rest_tabulated(tmp_path,
     (run / "rollouts/p0002/turboquant_b4/frames.npy").unlink()  # listed file gone
     shutil.rmtree(run / "rollouts/p0000/polarquant_b2")  # listed in the manifest, folder gone
     shutil.rmtree(run / "rollouts/p0002/reference")  # nothing to compare p0002 with
+    rj = run / "rollouts/p0000/turboquant_b2/rollout.json"
+    rj.write_text(json.dumps({**json.loads(rj.read_text()), "noise_sha256": "f" * 64}))  # another rollout's noise
     rc, out, err = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu"], capsys)
     assert rc == 0
     assert "run/rollouts/p0001/octopus_b2_joint1_norm32: partial rollout: rollout.json is missing" in err
@@ -231,6 +233,7 @@ def test_missing_and_partial_rollouts_are_named_and_the_rest_tabulated(tmp_path,
     assert "run/rollouts/p0002/turboquant_b4: partial rollout: frames.npy missing" in err
     assert "run/rollouts/p0000/polarquant_b2: missing: listed in manifest.rank0.json" in err
     assert "run/rollouts/p0002/octopus_b4_joint1_norm32: no reference rollout for item p0002" in err
+    assert "run/rollouts/p0000/turboquant_b2: noise_sha256 differs from run/rollouts/p0000/reference's" in err
     assert "**Problems**" in out and "p0001/octopus_b2_joint1_norm32" in out
     main = out.split("**Windowed means")[0]
     lines = {ln.split("|")[2].strip(): ln for ln in main.splitlines() if ln.startswith("| ")}

@@ -36,6 +36,9 @@ FILES = {
 }
 REQUIRED = {"video": "frames", "audio": "audio"}  # what metrics cannot do without
 TENSOR_KEYS = {"latents": "latents", "latent": "latent", "tokens": "tokens"}
+# A codec rollout is comparable with its reference only if these agree (where both record them): same initial
+# noise, same conditioning.
+SAME_AS_REFERENCE = ("noise_sha256", "condition_sha256")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -297,10 +300,11 @@ def pair_rollouts(rs: RunSet) -> list[tuple[Rollout, Rollout]]:
         if ref is None:
             rs.problems.append(f"{r.where()}: no reference rollout for item {r.item} of {r.model}; not compared")
             continue
-        a, b = ref.info.get("noise_sha256"), r.info.get("noise_sha256")
-        if a and b and a != b:
-            rs.problems.append(f"{r.where()}: initial noise differs from {ref.where()} (noise_sha256 {b[:12]} vs "
-                               f"{a[:12]}): not the same rollout, not compared")
+        clash = next((k for k in SAME_AS_REFERENCE if ref.info.get(k) and r.info.get(k)
+                      and ref.info[k] != r.info[k]), None)
+        if clash:
+            rs.problems.append(f"{r.where()}: {clash} differs from {ref.where()}'s ({str(r.info[clash])[:12]} vs "
+                               f"{str(ref.info[clash])[:12]}): not the same rollout, not compared")
             continue
         pairs.append((ref, r))
     return pairs
