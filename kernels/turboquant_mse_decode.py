@@ -1,0 +1,70 @@
+"""TurboQuant-MSE unpack + decode to the model dtype, the kernel twin of `TurboQuantMSECodec._decode` (Algorithm 1
+step 7; reference `mmkv/codecs/turboquant_mse.py`): x_hat = s * H(norm * c[idx]) with the fp32 butterfly, the
+reference's operations in its order, cast once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of
+from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.rotation import fwht
+from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  (same parameter range)
+
+
+@triton.jit
+def _turboquant_decode_kernel(
+    idx_ptr, idx_hi_ptr, norm_ptr, lo_c_ptr, hi_c_ptr, s_ptr, out_ptr,
+    T, NH, scale, lo_row_bytes, hi_row_bytes,
+    D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr, HI: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    row = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, D)
+    tmask = tt < n_tok
+    val = tl.zeros((BT, D), tl.float32)
+    if HI < D:
+        lo = unpack_block(idx_ptr, row64 * lo_row_bytes, t0, n_tok, BT, D, D - HI, B, HI, 0, D - HI)
+        val = tl.load(lo_c_ptr + lo)
+    if HI > 0:
+        hi = unpack_block(idx_hi_ptr, row64 * hi_row_bytes, t0, n_tok, BT, D, HI, B + 1, 0, 0, HI)
+        val = tl.where((jj < HI)[None, :], tl.load(hi_c_ptr + hi), val)
+    norm = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)
+    y = fwht(norm[:, None] * val, BT, D) * scale * s[None, :]
+    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+    """`codec.decode(enc, dtype)` for TurboQuant-MSE on the kernel: [..., T, D] in `dtype`."""
+    *lead, T, D = enc.shape
+    t = enc.tensors
+    norm = t["norm"].contiguous()
+    dev = norm.device
+    tab = _tables(codec, dev)
+    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    rows = rows_of(out)
+    if not rows or not T:
+        return out
+    hi = codec.hi
+    idx = t["idx"].contiguous() if hi < D else None
+    idx_hi = t["idx_hi"].contiguous() if hi else None
+    bt = 32 if D <= 128 else 16
+    _turboquant_decode_kernel[(triton.cdiv(T, bt), rows)](
+        idx if idx is not None else idx_hi, idx_hi if idx_hi is not None else idx, norm,
+        tab["lo_c"], tab["hi_c"], tab["signs"], out,
+        T, head_count(codec), 1.0 / math.sqrt(D),
+        idx.shape[-1] if idx is not None else 0, idx_hi.shape[-1] if idx_hi is not None else 0,
+        D=D, BT=bt, B=codec.b, HI=hi, num_warps=4, **LAUNCH,
+    )
+    return out
