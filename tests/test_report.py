@@ -242,8 +242,10 @@ def test_missing_and_partial_rollouts_are_named_and_the_rest_tabulated(tmp_path,
     counts = [[c.strip() for c in ln.split("|")][n_col] for ln in main.splitlines() if "| OCTOPUS |" in ln]
     assert counts == ["2", "1"]  # b=4: p0002 has no reference; b=2: and p0001 is partial
     assert "LPIPS" not in lines["codec"]
-    rc, _, _ = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu", "--strict"], capsys)
+    rc, _, _ = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu", "--strict", "--no-plots",
+                        "--out", tmp_path / "out"], capsys)
     assert rc == 1
+    assert "p0002/turboquant_b4: partial rollout: frames.npy missing" in (tmp_path / "out/problems.txt").read_text()
 
 
 def test_bad_command_lines_get_clear_errors(video_run, tmp_path, capsys):

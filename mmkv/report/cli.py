@@ -6,8 +6,8 @@ metrics.json beside each rollout. Missing or partial rollouts are listed (which 
 else is still tabulated.
 
 Without --out, the tables go to stdout in the first text format asked for. With --out DIR: DIR/table.<ext> and
-DIR/windows.<ext> per format, DIR/rollouts.csv and DIR/frames.csv (long form), DIR/plots/*.png and, for html,
-DIR/index.html.
+DIR/windows.<ext> per format, DIR/rollouts.csv and DIR/frames.csv (long form), DIR/problems.txt (when any),
+DIR/plots/*.png and, for html, DIR/index.html.
 """
 
 from __future__ import annotations
@@ -126,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
                 atomic_write_text(out / f"table.{T.EXTENSIONS[f]}" if t.name == "main"
                                   else out / f"{t.name}.{T.EXTENSIONS[f]}", T.render(t, f))
         atomic_write_text(out / "rollouts.csv", T.render(S.rollouts_table(s), "csv"))
+        problems_file = out / "problems.txt"
+        if problems:
+            atomic_write_text(problems_file, "".join(p + "\n" for p in problems))
+        elif problems_file.exists():
+            problems_file.unlink()  # from an earlier report of the same folder
         if any(g.kind == "video" for g in s.groups):
             atomic_write_text(out / "frames.csv", T.render(S.frames_table(s), "csv"))
         plots = []

@@ -200,7 +200,7 @@ def to_json(t: Table) -> str:
 _TEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                 "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
 _TEX_UNICODE = {"↓": r"$\downarrow$", "↑": r"$\uparrow$", "μ": r"$\mu$", "×": r"$\times$", "–": "--",
-                "†": r"$^\dagger$", "≤": r"$\leq$", "≥": r"$\geq$", "·": r"$\cdot$", "²": r"$^2$"}
+                "†": r"$^\dagger$", "σ": r"$\sigma$", "≤": r"$\leq$", "≥": r"$\geq$", "·": r"$\cdot$", "²": r"$^2$"}
 
 
 def tex_escape(text: str) -> str:
