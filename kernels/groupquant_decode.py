@@ -1,0 +1,88 @@
+"""Min-max group dequantisation to the model dtype, the kernel twin of `mmkv.codecs.groupquant.decode_minmax` (and
+of OScaR's decode: times the token norm, then H): x^ = q * s + o per element (product rounded before the add, as the
+reference), cast once to the output dtype. Bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mmkv.kernels.common import LAUNCH, cast_to, rows_of
+from mmkv.kernels.groupquant_encode import block_tokens, supports  # noqa: F401  (same parameter range)
+from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.rotation import fwht
+
+
+@triton.jit
+def _minmax_decode_kernel(
+    codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr,
+    T, NH, rscale, row_bytes, NGT,
+    D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    row = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, DP)
+    valid = (tt < n_tok)[:, None] & (jj < D)[None, :]
+    q = unpack_block(codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
+    if CHANNEL:
+        moff = row64 * D * NGT + jj[None, :] * NGT + ((t0 + tt) // G)[:, None]
+    else:
+        NG: tl.constexpr = (D + G - 1) // G
+        moff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + (jj // G)[None, :]
+    s = tl.load(scale_ptr + moff, mask=valid, other=0.0).to(tl.float32)
+    o = tl.load(offset_ptr + moff, mask=valid, other=0.0).to(tl.float32)
+    y = q.to(tl.float32) * s + o
+    if NORM:
+        n = tl.load(norm_ptr + (row // NH).to(tl.int64) * T + t0 + tt, mask=tt < n_tok, other=1.0)
+        y = y * n[:, None]
+    if ROTATE:
+        y = fwht(y, BT, DP) * rscale
+    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=valid)
+
+
+def minmax_decode(
+    tensors: dict[str, torch.Tensor],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    bits: int,
+    group: int,
+    axis: str,
+    rotate: bool = False,
+    norm: torch.Tensor | None = None,
+    norm_heads: int = 1,
+) -> torch.Tensor:
+    """`decode_minmax` on the kernel, cast to `dtype`; `norm` multiplies each token and `rotate` applies H last."""
+    *lead, T, D = shape
+    codes = tensors["codes"].contiguous()
+    dev = codes.device
+    out = torch.empty(shape, dtype=dtype, device=dev)
+    rows = rows_of(out)
+    if not rows or not T:
+        return out
+    dp = triton.next_power_of_2(D)
+    channel = axis == "channel"
+    bt = block_tokens(group, dp, channel)
+    _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](
+        codes, tensors["scale"].contiguous(), tensors["offset"].contiguous(),
+        norm if norm is not None else tensors["scale"], out,
+        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group),
+        D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
+        num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
+    )
+    return out
+
+
+def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+    """`codec.decode(enc, dtype)` for groupquant on the kernel."""
+    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis="token")

@@ -1,0 +1,159 @@
+"""Asymmetric min-max group quantisation + pack, the kernel twin of `mmkv.codecs.groupquant.encode_minmax` (the one
+quantiser of the min-max family: groupquant, KIVI, OScaR; codecs.md A9, oscar.md 2.6 and 3).
+
+One program takes BT tokens x D channels of one row: optionally OScaR's rotation H x and division by the token norm,
+then per group (G channels of a token, or G tokens of a channel) min and max, s = (max - min)/(2^b - 1) rounded to the
+meta dtype, offset = min (KIVI/QJL) or -z s with z = round(-min/s) (OScaR), codes round(clamp((x - o)/s, 0, 2^b - 1))
+against the stored (rounded) s and o; a zero-range group stores (0, min). Min/max need no summation order and the
+arithmetic is the reference's op by op, so codes, scales and offsets are bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mmkv.codecs.base import CodecError, Encoded
+from mmkv.kernels.common import LAUNCH, rint, rows_of
+from mmkv.kernels.packing import pack_block
+from mmkv.kernels.rotation import fwht
+
+
+@triton.jit
+def _minmax_encode_kernel(
+    x_ptr, norm_ptr, codes_ptr, scale_ptr, offset_ptr,
+    T, NH, rscale, row_bytes, NGT,
+    D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROUNDED: tl.constexpr,
+):
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    pid_t = tl.program_id(0)
+    row = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, DP)
+    valid = (tt < n_tok)[:, None] & (jj < D)[None, :]
+    x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=valid, other=0.0)
+    x = x.to(tl.float32)
+    if ROTATE:  # OScaR's canalized rotation, no signs (oscar.md 2.4)
+        x = fwht(x, BT, DP) * rscale
+    if NORM:  # omni-token scaling: one norm per token over all KV heads (oscar.md 2.5)
+        n = tl.load(norm_ptr + (row // NH).to(tl.int64) * T + t0 + tt, mask=tt < n_tok, other=1.0)
+        x = tl.math.div_rn(x, n[:, None])
+    if CHANNEL:
+        # groups of G tokens per channel: [BT/G, G, DP]
+        x3 = tl.reshape(x, (BT // G, G, DP))
+        v3 = tl.reshape(valid, (BT // G, G, DP))
+        mn = tl.min(tl.where(v3, x3, float("inf")), axis=1)
+        mx = tl.max(tl.where(v3, x3, float("-inf")), axis=1)
+    else:
+        GK: tl.constexpr = G if G < DP else DP
+        x3 = tl.reshape(x, (BT, DP // GK, GK))
+        v3 = tl.reshape(valid, (BT, DP // GK, GK))
+        mn = tl.min(tl.where(v3, x3, float("inf")), axis=2)
+        mx = tl.max(tl.where(v3, x3, float("-inf")), axis=2)
+    meta = scale_ptr.dtype.element_ty
+    scale = tl.math.div_rn(mx - mn, LEVELS * 1.0).to(meta)
+    s = scale.to(tl.float32)
+    pos = s > 0
+    if ROUNDED:
+        z = rint(tl.math.div_rn(-mn, tl.where(pos, s, 1.0)))
+        offset = tl.where(pos, -z * s, mn).to(meta)
+    else:
+        offset = mn.to(meta)
+    o = offset.to(tl.float32)
+    if CHANNEL:
+        s_el = tl.reshape(tl.broadcast_to(s[:, None, :], (BT // G, G, DP)), (BT, DP))
+        o_el = tl.reshape(tl.broadcast_to(o[:, None, :], (BT // G, G, DP)), (BT, DP))
+    else:
+        s_el = tl.reshape(tl.broadcast_to(s[:, :, None], (BT, DP // GK, GK)), (BT, DP))
+        o_el = tl.reshape(tl.broadcast_to(o[:, :, None], (BT, DP // GK, GK)), (BT, DP))
+    y = tl.where(s_el > 0, tl.math.div_rn(x - o_el, tl.where(s_el > 0, s_el, 1.0)), 0.0)
+    codes = rint(tl.minimum(tl.maximum(y, 0.0), LEVELS * 1.0)).to(tl.int32)
+    codes = tl.where(valid, codes, 0)
+    pack_block(codes, codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
+    if CHANNEL:  # [..., D, ceil(T/G)]: (channel j, token group g)
+        gl = tl.arange(0, BT // G)
+        g = t0 // G + gl
+        off = row64 * D * NGT + jj[None, :] * NGT + g[:, None]
+        m = (g < NGT)[:, None] & (jj < D)[None, :]
+    else:  # [..., T, ceil(D/G)]
+        NG: tl.constexpr = (D + G - 1) // G
+        gi = tl.arange(0, DP // GK)
+        off = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + gi[None, :]
+        m = (tt < n_tok)[:, None] & (gi < NG)[None, :]
+    tl.store(scale_ptr + off, scale, mask=m)
+    tl.store(offset_ptr + off, offset, mask=m)
+
+
+def supports_minmax(head_dim: int, group: int, bits: int) -> bool:
+    return group >= 1 and (group & (group - 1)) == 0 and group <= 256 and 1 <= bits <= 8 and 1 <= head_dim <= 1024
+
+
+def block_tokens(group: int, dp: int, channel: bool) -> int:
+    bt = max(8, 4096 // dp)
+    return max(bt, group) if channel else bt
+
+
+def minmax_encode(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    axis: str,
+    zero_point: str,
+    meta_dtype: torch.dtype,
+    where: str,
+    rotate: bool = False,
+    norm: torch.Tensor | None = None,
+    norm_heads: int = 1,
+) -> dict[str, torch.Tensor]:
+    """`encode_minmax` on the kernel (x[..., T, D] any float dtype, contiguous): {"codes", "scale", "offset"}.
+    `rotate` applies the normalised H first and `norm` ([rows / norm_heads, T] fp32) divides each token by its norm
+    (OScaR's K path)."""
+    *lead, T, D = x.shape
+    rows = rows_of(x)
+    dev = x.device
+    dp = triton.next_power_of_2(D)
+    channel = axis == "channel"
+    ngt = -(-T // group)
+    ng = -(-D // group)
+    row_bytes = (T * D * bits + 7) // 8
+    codes = torch.empty(*lead, row_bytes, dtype=torch.uint8, device=dev)
+    meta_shape = (*lead, D, ngt) if channel else (*lead, T, ng)
+    scale = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
+    offset = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
+    bt = block_tokens(group, dp, channel)
+    if rows and T:
+        _minmax_encode_kernel[(triton.cdiv(T, bt), rows)](
+            x, norm if norm is not None else x, codes, scale, offset,
+            T, norm_heads, 1.0 / math.sqrt(D), row_bytes, ngt,
+            D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
+            ROUNDED=zero_point == "rounded", num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
+        )
+    if scale.numel() and not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+        big = float(x.float().abs().max())
+        raise CodecError(
+            f"{where}: group scale/offset overflow {meta_dtype} (largest |value| {big:.4g}); use meta=fp32 for inputs "
+            f"beyond the fp16 range"
+        )
+    return {"codes": codes, "scale": scale, "offset": offset}
+
+
+def supports(codec) -> bool:
+    return supports_minmax(codec.head_dim, codec.group, codec.bits)
+
+
+def encode(codec, x: torch.Tensor) -> Encoded:
+    """`codec.encode(x)` for groupquant on the kernel: per-token groups of `group` channels, float-minimum offset."""
+    x = x.contiguous()
+    tensors = minmax_encode(
+        x, bits=codec.bits, group=codec.group, axis="token", zero_point="min", meta_dtype=codec.meta_dtype,
+        where=f"codec {codec.config} (layer {codec.layer})",
+    )
+    return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -1,0 +1,72 @@
+"""OScaR encode + pack on the kernel (oscar.md 2.4-2.6; reference `mmkv/codecs/oscar.py`).
+
+K (role=k): a first kernel rotates each token (k~ = H k, no signs) and writes its squared norm per head; torch sums
+those over the KV heads and takes the root (n_t = 1 when not finite or <= 0), as the reference; the min-max kernel of
+`kernels/groupquant_encode.py` then rotates again, divides by n_t and quantises per channel over groups of G tokens
+with the rounded integer zero point. The per-head sums run in another order than torch's, so n_t may differ from the
+reference by an ulp, and a code may then differ where k^ sits within an ulp of a rounding boundary
+(docs/decisions.d/kernels_codec.md). V (role=v): rotation, then per-token groups of G channels; bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mmkv.codecs.base import Encoded
+from mmkv.kernels.common import LAUNCH, rows_of
+from mmkv.kernels.groupquant_encode import minmax_encode, supports_minmax
+from mmkv.kernels.rotation import fwht
+
+
+@triton.jit
+def _rotated_sumsq_kernel(x_ptr, out_ptr, T, rscale, D: tl.constexpr, BT: tl.constexpr):
+    pid_t = tl.program_id(0)
+    row = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, D)
+    tmask = t0 + tt < T
+    x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
+    r = fwht(x.to(tl.float32), BT, D) * rscale
+    tl.store(out_ptr + row64 * T + t0 + tt, tl.sum(r * r, axis=1), mask=tmask)
+
+
+def supports(codec) -> bool:
+    return supports_minmax(codec.head_dim, codec.group, codec.bits) and codec.head_dim >= 2
+
+
+def token_norms(x: torch.Tensor) -> torch.Tensor:
+    """n_t = ||H k_t|| over all KV heads (dim -3) and channels, fp32 [..., T]; 1 where <= 0 or not finite."""
+    *lead, T, D = x.shape
+    sq = torch.empty(*lead, T, dtype=torch.float32, device=x.device)
+    rows = rows_of(x)
+    bt = max(8, 4096 // D)
+    if rows and T:
+        _rotated_sumsq_kernel[(triton.cdiv(T, bt), rows)](x, sq, T, 1.0 / math.sqrt(D), D=D, BT=bt, **LAUNCH)
+    if x.dim() >= 3:
+        sq = sq.sum(-2)
+    norm = sq.sqrt()
+    return torch.where(torch.isfinite(norm) & (norm > 0), norm, torch.ones_like(norm)).contiguous()
+
+
+def encode(codec, x: torch.Tensor) -> Encoded:
+    """`codec.encode(x)` for OScaR on the kernel: x[..., (H,) T, D] in any float dtype, already validated."""
+    x = x.contiguous()
+    where = f"codec {codec.config} (layer {codec.layer})"
+    tensors = {}
+    norm = None
+    if codec.role == "k":
+        norm = token_norms(x)
+        tensors["norm"] = norm
+    tensors.update(
+        minmax_encode(
+            x, bits=codec.bits, group=codec.group, axis=codec.axis, zero_point="rounded", meta_dtype=codec.meta_dtype,
+            where=where, rotate=True, norm=norm, norm_heads=x.shape[-3] if x.dim() >= 3 else 1,
+        )
+    )
+    return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)
