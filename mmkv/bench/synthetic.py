@@ -291,7 +291,8 @@ def canonical(cfg: CodecConfig) -> str:
 def iso_rate_config(target_bits: float, p: Protocol) -> CodecConfig:
     """TurboQuant-MSE mixing b_lo and b_lo + 1 bits over channels (`hi` channels at b_lo + 1) whose measured effective
     bits come closest to `target_bits` (codecs.md section 6.4)."""
-    probe = torch.randn(1, 16, p.dim, generator=torch.Generator().manual_seed(0))
+    # Measured on as many tokens as the probe encodes per seed, so row padding is accounted as in the run.
+    probe = torch.randn(1, p.keys, p.dim, generator=torch.Generator().manual_seed(0))
     best: tuple[float, CodecConfig] | None = None
     b_lo = max(1, int(math.floor(target_bits)) - 1)
     for b in (b_lo, b_lo + 1):

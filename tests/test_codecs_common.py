@@ -1,0 +1,325 @@
+"""Properties every registered codec must have (codec protocol, `mmkv/codecs/base.py`): real packed bytes, determinism
+given a seed, independent rotations per seed, shape/dtype/device-preserving round trips, clear errors on bad input,
+zeros in -> zeros out, and scores that agree with the decode. Each codec runs at its default preset plus a few
+representative ones; a codec registered later is covered at its default preset automatically.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mmkv.codecs import CodecConfig, CodecError, build, get_codec_class, names
+
+# Representative presets per codec beyond its default one, with the relative reconstruction error
+# sum ||x - x_hat||^2 / sum ||x||^2 each must stay under on Gaussian data (about 3x its measured value at d = 128,
+# codecs.md 6.1; QJL-style decodes are unbiased but noisy by design: ((pi/2) d - 1) / m for QJL).
+PRESETS: dict[str, list[tuple[str, float]]] = {
+    "identity": [("identity", 0.0), ("identity:dtype=bf16", 1e-4)],
+    "groupquant": [("groupquant:bits=2,group=32", 0.5), ("groupquant:bits=4,group=16", 0.03)],
+    "kivi": [("kivi:bits=2,group=32", 0.5), ("kivi:bits=4,group=32,role=v", 0.03)],
+    "oscar": [("oscar:bits=2,group=32", 0.5), ("oscar:bits=4,group=16,role=v", 0.03)],
+    "polarquant": [("polarquant:b=2", 0.7), ("polarquant:levels=4222", 0.1)],
+    "qjl": [("qjl:bits=2", 2.5), ("qjl:bits=1,norm=16", 4.0)],
+    "turboquant-mse": [("turboquant-mse:b=2", 0.35), ("turboquant-mse:b=3,hi=8,norm=16", 0.1)],
+    "turboquant-prod": [("turboquant-prod:b=2", 1.6), ("turboquant-prod:b=4,norm=16", 0.16)],
+    "octopus": [("octopus:b=2,joint=0", 0.3), ("octopus:b=3", 0.08), ("octopus:b=4,norm=16", 0.025),
+                ("octopus:b=2,dir=4,rho=0", 0.5)],
+    "octopus-qjl": [("octopus-qjl:b=2", 0.15), ("octopus-qjl:b=4,joint=0", 0.015)],
+}
+DEFAULT_BOUND = 2.0  # for a codec registered after this file was written, at its default preset
+
+# Codecs that draw no random numbers (no seeded rotation or sketch): the seed must not change their bytes. OScaR's
+# Canalized Rotation is the plain Walsh-Hadamard matrix, without random signs.
+SEEDLESS = {"identity", "groupquant", "kivi", "oscar"}
+
+
+def _presets() -> list[tuple[str, float]]:
+    out = []
+    for name in names():
+        listed = PRESETS.get(name, [])
+        default = str(CodecConfig.parse(name))
+        if all(str(CodecConfig.parse(p)) != default for p, _ in listed):
+            out.append((name, max((b for _, b in listed), default=DEFAULT_BOUND)))
+        out += listed
+    return out
+
+
+ALL = _presets()
+PRESET_IDS = [p for p, _ in ALL]
+BOUND = dict(ALL)
+
+# Known bug (reported to the lead): IdentityCodec._decode returns the stored dtype, not fp32 as the protocol says, so
+# the default Codec.scores (q.float() @ k^T) raises for identity on non-fp32 storage. Strict: passes once fixed.
+_IDENTITY_SCORES_BUG = pytest.mark.xfail(
+    strict=True, raises=RuntimeError, reason="identity._decode returns the stored dtype; Codec.scores needs fp32"
+)
+
+
+def _with_scores_bug(presets: list[str], failing: set[str]) -> list:
+    return [pytest.param(p, marks=_IDENTITY_SCORES_BUG) if p in failing else p for p in presets]
+
+
+def _cls(preset: str):
+    return get_codec_class(CodecConfig.parse(preset).name)
+
+
+def _is_identity(preset: str) -> bool:
+    return CodecConfig.parse(preset).name == "identity"
+
+
+def _channelwise(preset: str) -> bool:
+    """Key codecs that quantise each channel across tokens (KIVI/OScaR K): a zero token is one value of a channel's
+    range, so it decodes to within a step of zero rather than to exactly zero."""
+    cfg = CodecConfig.parse(preset)
+    return cfg.name in ("kivi", "oscar") and cfg.get("role") == "k"
+
+
+def _x(shape, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+
+def _nominal_bits(preset: str) -> float | None:
+    cfg = CodecConfig.parse(preset)
+    if cfg.get("levels"):  # PolarQuant's native per-level widths, e.g. 4222: (32 + 8 + 4 + 2) / 16 payload bits
+        lv = [int(c) for c in str(cfg["levels"])]
+        return sum(b * 2 ** (3 - i) for i, b in enumerate(lv)) / 16
+    for key in ("b", "bits"):
+        if isinstance(cfg.get(key), int):
+            return float(cfg[key])
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_nbytes_is_the_real_packed_size(preset):
+    codec = build(preset, head_dim=128, num_heads=2, seed=3)
+    x = _x((2, 64, 128), 1)
+    enc = codec.encode(x)
+    real = 0
+    for key, t in enc.tensors.items():
+        assert isinstance(t, torch.Tensor), key
+        # No hidden storage behind a view: what the tensor holds is what it costs.
+        assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
+        real += t.numel() * t.element_size()
+    assert enc.nbytes == real and codec.nbytes(enc) == real
+    assert codec.effective_bits(enc) == pytest.approx(8.0 * real / x.numel())
+    if _is_identity(preset):
+        want = 16 if "bf16" in preset else 32
+        assert codec.effective_bits(enc) == want
+        return
+    # Really packed: side information only in float dtypes (no float tensor anywhere near the input's size), and
+    # measured bits well below 16, at or above the nominal width.
+    for key, t in enc.tensors.items():
+        if t.is_floating_point():
+            assert t.numel() <= x.numel() // 8, (key, tuple(t.shape))
+    bits = codec.effective_bits(enc)
+    assert bits < 8.0
+    nominal = _nominal_bits(preset)
+    if nominal is not None:
+        assert nominal <= bits <= nominal + 2.5, (nominal, bits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Determinism and seeds
+
+
+def _same_bytes(a, b) -> bool:
+    return a.tensors.keys() == b.tensors.keys() and all(
+        a.tensors[k].dtype == b.tensors[k].dtype and torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors
+    )
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_same_seed_gives_identical_bytes(preset):
+    x = _x((2, 48, 64), 5)
+    state = torch.random.get_rng_state()
+    a = build(preset, head_dim=64, num_heads=2, seed=11, layer=3).encode(x)
+    b = build(preset, head_dim=64, num_heads=2, seed=11, layer=3).encode(x)
+    assert _same_bytes(a, b)
+    assert torch.equal(torch.random.get_rng_state(), state)  # private generators only: the global RNG never moves
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_another_seed_gives_another_rotation(preset):
+    x = _x((2, 48, 64), 6)
+    a = build(preset, head_dim=64, num_heads=2, seed=11).encode(x)
+    b = build(preset, head_dim=64, num_heads=2, seed=12).encode(x)
+    if CodecConfig.parse(preset).name in SEEDLESS:
+        assert _same_bytes(a, b)
+    else:
+        assert not _same_bytes(a, b), f"{preset}: seed changes nothing; if it draws no randomness add it to SEEDLESS"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Round trips
+
+
+def _devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_round_trip_keeps_shape_dtype_device(preset, dtype, device):
+    codec = build(preset, head_dim=32, num_heads=3, seed=1)
+    x = _x((2, 3, 7, 32), 2, dtype).to(device)
+    enc = codec.encode(x)
+    assert enc.device.type == device and enc.shape == tuple(x.shape) and enc.dtype == dtype
+    y = codec.decode(enc)
+    assert y.shape == x.shape and y.dtype == dtype and y.device.type == device
+    assert torch.isfinite(y).all()
+    y32 = codec.decode(enc, dtype=torch.float32)
+    assert y32.dtype == torch.float32 and torch.equal(y32.to(dtype), y)
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_single_head_rank2_input(preset):
+    codec = build(preset, head_dim=64, seed=4)
+    x = _x((33, 64), 3)
+    y = codec.decode(codec.encode(x))
+    assert y.shape == x.shape and torch.isfinite(y).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_nan_and_inf_are_refused(preset):
+    codec = build(preset, head_dim=64, seed=0)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = _x((9, 64), 4)
+        x[3, 5] = bad
+        with pytest.raises(CodecError, match="NaN/Inf"):
+            codec.encode(x)
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_wrong_rank_dtype_and_shape_are_refused(preset):
+    codec = build(preset, head_dim=64, num_heads=2, seed=0)
+    with pytest.raises(CodecError, match="at least 2 dims"):
+        build(preset, head_dim=64).encode(_x((64,), 1))
+    for dtype in (torch.int32, torch.uint8, torch.bool):
+        with pytest.raises(CodecError, match="float tensor"):
+            codec.encode(torch.ones(2, 5, 64, dtype=dtype))
+    with pytest.raises(CodecError, match="expected a torch.Tensor"):
+        codec.encode([[0.0] * 64])
+    with pytest.raises(CodecError, match="head dim 32"):
+        codec.encode(_x((2, 5, 32), 1))
+    with pytest.raises(CodecError, match="heads|head"):
+        codec.encode(_x((3, 5, 64), 1))
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_decoding_another_codecs_bytes_is_refused(preset):
+    other = "identity:dtype=bf16" if not preset.startswith("identity:dtype=bf16") else "identity"
+    enc = build(other, head_dim=64).encode(_x((4, 64), 1))
+    with pytest.raises(CodecError, match="cannot decode"):
+        build(preset, head_dim=64).decode(enc)
+
+
+@pytest.mark.parametrize("name", names())
+def test_head_dim_not_a_power_of_two(name):
+    if get_codec_class(name).requires_pow2:
+        with pytest.raises(CodecError, match=r"power-of-two.*Supported: 16, 32, 64, 128"):
+            build(name, head_dim=96)
+    else:
+        codec = build(name, head_dim=96)
+        x = _x((5, 96), 7)
+        y = codec.decode(codec.encode(x))
+        assert y.shape == x.shape and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", names())
+def test_unsupported_bits_are_refused(name):
+    cls = get_codec_class(name)
+    key = next((k for k in ("b", "bits") if k in cls.defaults), None)
+    if key is None:  # identity: its one parameter is the storage dtype
+        with pytest.raises(CodecError, match="dtype"):
+            build(f"{name}:dtype=int4", head_dim=64)
+        return
+    for bad in (0, 17, -1, 2.5, "two"):
+        with pytest.raises(CodecError, match=rf"{key}"):
+            build(CodecConfig.parse(name).replace(**{key: bad}), head_dim=64)
+    with pytest.raises(CodecError, match="no parameter"):
+        CodecConfig.parse(f"{name}:nosuchparam=1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Zeros
+
+
+@pytest.mark.parametrize("preset", _with_scores_bug(PRESET_IDS, {"identity:dtype=bf16"}))
+def test_zero_vectors_decode_to_zeros(preset):
+    codec = build(preset, head_dim=64, num_heads=2, seed=2)
+    enc = codec.encode(torch.zeros(2, 40, 64))
+    y = codec.decode(enc)
+    assert torch.isfinite(y).all() and torch.equal(y, torch.zeros_like(y))
+    s = codec.scores(_x((2, 3, 64), 1), enc)
+    assert torch.isfinite(s).all() and torch.equal(s, torch.zeros_like(s))
+    # Zero keys among nonzero ones: no NaN anywhere, and the zero rows stay (exactly, or for channel-wise codecs
+    # within a quantisation step of) zero.
+    x = _x((2, 40, 64), 9)
+    x[:, ::7] = 0.0
+    y = codec.decode(codec.encode(x))
+    assert torch.isfinite(y).all()
+    zero_rows = y[:, ::7]
+    if _channelwise(preset):
+        assert zero_rows.norm(dim=-1).max() <= 0.5 * x.norm(dim=-1).median()
+    else:
+        assert torch.equal(zero_rows, torch.zeros_like(zero_rows))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hypothesis: shapes, dtypes, seeds, scales
+
+
+@st.composite
+def _case(draw, preset: str):
+    head_dim = draw(st.sampled_from([32, 64]))
+    heads = draw(st.integers(1, 3))
+    lead = draw(st.sampled_from([(), (2,)]))
+    tokens = draw(st.integers(4, 40))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([1e-2, 1.0, 30.0]))
+    data_seed = draw(st.integers(0, 2**31 - 1))
+    shape = (*lead, heads, tokens, head_dim) if heads > 1 or draw(st.booleans()) else (*lead, tokens, head_dim)
+    return head_dim, heads, shape, dtype, seed, scale, data_seed
+
+
+@pytest.mark.parametrize("preset", _with_scores_bug(PRESET_IDS, {"identity", "identity:dtype=bf16"}))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(data=st.data())
+def test_round_trip_property(preset, data):
+    head_dim, heads, shape, dtype, seed, scale, data_seed = data.draw(_case(preset))
+    codec = build(preset, head_dim=head_dim, num_heads=heads, seed=seed)
+    x = _x(shape, data_seed, dtype, scale)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all()
+    assert _same_bytes(enc, codec.encode(x))  # deterministic
+    # Bounded error, scale-free (relative to the input's energy).
+    x32, y32 = x.float(), y.float()
+    rel = float(((x32 - y32) ** 2).sum() / (x32**2).sum().clamp_min(1e-30))
+    # A low-precision output dtype adds its own rounding (bf16: 2^-9 relative per value).
+    slack = {torch.float16: 1e-6, torch.bfloat16: 2e-5}.get(dtype, 0.0)
+    assert rel <= BOUND[preset] + slack, rel
+    # The score path agrees with the decode path: q . k_hat (for the QJL family, decode is built to make it so).
+    q = _x((*shape[:-2], 3, head_dim), data_seed + 1)
+    s = codec.scores(q, enc)
+    k_hat = codec.decode(enc, dtype=torch.float32)
+    assert s.shape == (*shape[:-2], 3, shape[-2]) and s.dtype == torch.float32
+    ref = q @ k_hat.transpose(-1, -2)
+    tol = 1e-4 * q.norm(dim=-1, keepdim=True) * k_hat.norm(dim=-1).unsqueeze(-2) + 1e-6
+    assert ((s - ref).abs() <= tol).all()
