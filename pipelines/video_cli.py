@@ -196,6 +196,8 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
     variant = REFERENCE if spec is None else spec.variant
     out_dir = folder.rollout_dir(item, variant)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(".*.tmp*"):  # temp files of a run killed mid-write (SIGKILL skips their cleanup)
+        stale.unlink()
     device = pipe.c.device
     store = pipe.make_store(None if spec is None else spec.preset, residual_window=args.residual_window,
                             value_group=args.value_group, seed=args.codec_seed, protected_layers=protected,
