@@ -1,0 +1,84 @@
+"""PolarQuant-R unpack + decode to the model dtype, the kernel twin of `PolarQuantCodec._decode` (reference
+`mmkv/codecs/polarquant.py`): the polar tree top-down, (r cos theta, r sin theta) per angle from level 4 to level 1,
+then the inverse rotation s * H(.) with the fp32 butterfly, cast once. On the GPU cos/sin are libdevice's cosf/sinf
+(what torch's CUDA kernels call); under the interpreter they are numpy's, which may differ from torch's CPU functions
+by an ulp (docs/decisions.d/kernels_codec.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from mmkv.kernels.common import INTERPRET, LAUNCH, cast_to, rows_of
+from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.polarquant_encode import _LUT, _tables, supports  # noqa: F401  (same parameter range)
+from mmkv.kernels.rotation import fwht
+
+
+@triton.jit
+def _unfold(r, c_ptr, in_ptr, row_base, t0, n_tok, BT: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+            INTERP: tl.constexpr):
+    # r [BT, N] radii, N angles of this level -> [BT, 2N] = interleaved (r cos theta, r sin theta)
+    theta = tl.load(c_ptr + unpack_block(in_ptr, row_base, t0, n_tok, BT, N, N, BITS, 0, 0, N))
+    if INTERP:
+        cos = tl.cos(theta)
+        sin = tl.sin(theta)
+    else:
+        cos = libdevice.cos(theta)
+        sin = libdevice.sin(theta)
+    return tl.reshape(tl.join(r * cos, r * sin), (BT, 2 * N))
+
+
+@triton.jit
+def _polarquant_decode_kernel(
+    a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr, c_ptr, s_ptr, out_ptr,
+    T, scale, rb1, rb2, rb3, rb4,
+    D: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr,
+    LUT: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    row = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, D)
+    tmask = tt < n_tok
+    NB: tl.constexpr = D // 16
+    kb = tl.arange(0, NB)
+    r = tl.load(radius_ptr + row64 * T * NB + (t0 + tt).to(tl.int64)[:, None] * NB + kb[None, :],
+                mask=tmask[:, None], other=0.0).to(tl.float32)
+    r = _unfold(r, c_ptr + 3 * LUT, a4_ptr, row64 * rb4, t0, n_tok, BT, D // 16, B4, INTERP)
+    r = _unfold(r, c_ptr + 2 * LUT, a3_ptr, row64 * rb3, t0, n_tok, BT, D // 8, B3, INTERP)
+    r = _unfold(r, c_ptr + LUT, a2_ptr, row64 * rb2, t0, n_tok, BT, D // 4, B2, INTERP)
+    r = _unfold(r, c_ptr, a1_ptr, row64 * rb1, t0, n_tok, BT, D // 2, B1, INTERP)
+    s = tl.load(s_ptr + jj).to(tl.float32)
+    y = fwht(r, BT, D) * scale * s[None, :]
+    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+    """`codec.decode(enc, dtype)` for PolarQuant on the kernel: [..., T, D] in `dtype`."""
+    *lead, T, D = enc.shape
+    t = enc.tensors
+    dev = t["radius"].device
+    tab = _tables(codec, dev)
+    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    rows = rows_of(out)
+    if not rows or not T:
+        return out
+    planes = [t[f"angles{level}"].contiguous() for level in range(1, 5)]
+    bt = 32 if D <= 128 else 16
+    b1, b2, b3, b4 = codec.level_bits
+    _polarquant_decode_kernel[(triton.cdiv(T, bt), rows)](
+        *planes, t["radius"].contiguous(), tab["cent"], tab["signs"], out,
+        T, 1.0 / math.sqrt(D), *[p.shape[-1] for p in planes],
+        D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET, num_warps=4, **LAUNCH,
+    )
+    return out

@@ -1,0 +1,58 @@
+"""QJL unpack + decode to the model dtype, the kernel twin of `QJLCodec._decode` (reference `mmkv/codecs/qjl.py`):
+k_hat = sqrt(pi/2)/m * nu * S^T z, the vector whose inner products are the QJL estimator. S^T z is an fp32 product
+in another summation order than torch's, so values agree to fp32 rounding (docs/decisions.d/kernels_codec.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of
+from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.qjl_encode import _tables, supports  # noqa: F401  (same parameter range)
+from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
+
+
+@triton.jit
+def _qjl_decode_kernel(
+    signs_ptr, norm_ptr, sk_ptr, out_ptr, T, NH, qscale, row_bytes,
+    D: tl.constexpr, M: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    row = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
+    tt = tl.arange(0, BT)
+    jj = tl.arange(0, D)
+    kk = tl.arange(0, MB)
+    tmask = tt < n_tok
+    sk_base = sk_ptr + (row % NH).to(tl.int64) * M * D
+    acc = tl.zeros((BT, D), tl.float32)
+    for c in tl.static_range(M // MB):
+        z = unpack_block(signs_ptr, row64 * row_bytes, t0, n_tok, BT, MB, M, 1, 0, c * MB, MB).to(tl.float32) * 2 - 1
+        sk = tl.load(sk_base + (c * MB + kk)[:, None] * D + jj[None, :])  # S chunk [MB, d]
+        acc += tl.dot(z, sk, input_precision=PREC)
+    nu = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
+    y = (qscale * nu)[:, None] * acc
+    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+    """`codec.decode(enc, dtype)` for QJL on the kernel: [..., T, D] in `dtype`."""
+    *lead, T, D = enc.shape
+    signs = enc.tensors["signs"].contiguous()
+    dev = signs.device
+    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    rows = rows_of(out)
+    if not rows or not T:
+        return out
+    bt = 16
+    _qjl_decode_kernel[(triton.cdiv(T, bt), rows)](
+        signs, enc.tensors["norm"].contiguous(), _tables(codec, dev)["sketch"], out, T, head_count(codec), codec.scale,
+        signs.shape[-1], D=D, M=codec.m, MB=min(128, codec.m & -codec.m), BT=bt, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
+    )
+    return out
