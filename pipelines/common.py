@@ -198,7 +198,9 @@ def read_prompts(path: str | os.PathLike, *, max_chars: int = 4000) -> list[str]
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise RunError(f"prompt file {path} is not UTF-8 text (byte {err.start}); expected one prompt per line") from None
+        raise RunError(
+            f"prompt file {path} is not UTF-8 text (byte {err.start}); expected one prompt per line"
+        ) from None
     prompts: list[str] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
@@ -419,7 +421,8 @@ class RunFolder:
 
 
 class Manifest:
-    """One rank's manifest: run config, versions, extra facts (checkpoint hashes), rollouts written; saved atomically."""
+    """One rank's manifest: run config, versions, extra facts (checkpoint hashes), rollouts written; saved
+    atomically."""
 
     def __init__(self, path: Path, config: dict[str, Any], identity_keys: Sequence[str] = ()):
         self.path = path

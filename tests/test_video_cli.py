@@ -91,7 +91,8 @@ def test_generate_writes_the_run_folder_contract(env):
     assert recs[("p0000", "reference")]["noise_sha256"] != recs[("p0001", "reference")]["noise_sha256"]
     manifest = json.loads((out / "manifest.rank0.json").read_text())
     assert len(manifest["rollouts"]) == 6 and manifest["config"]["codecs"][0] == "identity:dtype=native"
-    assert manifest["checkpoints"]["dit"]["entry"] == "generator" and len(manifest["checkpoints"]["dit"]["sha256"]) == 64
+    dit = manifest["checkpoints"]["dit"]
+    assert dit["entry"] == "generator" and len(dit["sha256"]) == 64
     # mp4 is playable and holds every frame (lossy: compare shapes only)
     import imageio.v2 as imageio
 

@@ -8,7 +8,8 @@
   `google/umt5-xxl/`; or diffusers layout (§5.2): `transformer/config.json`, `vae/`, `text_encoder/`, `tokenizer/`.
   The base DiT weights are never needed: the causal checkpoint holds all of them.
 
-Pickles are read with `torch.load(weights_only=True)`, which refuses to run code. Weights go to bf16 on GPU, fp32 on CPU.
+Pickles are read with `torch.load(weights_only=True)`, which refuses to run code. Weights go to bf16 on GPU, fp32 on
+CPU.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import re
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,11 +140,3 @@ class WanVideoPipeline:
         frames = (video * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
         return frames.cpu().numpy()
 
-
-def timed(fn, *args, device: torch.device | None = None, **kwargs):
-    """(result, seconds), synchronising CUDA so the time is the device's."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0

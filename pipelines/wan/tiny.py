@@ -2,9 +2,9 @@
 
 Every code path of the 1.3B model at CPU speed: 2 heads x head_dim 32 (RoPE t/h/w = 12/10/10; a power of two
 with head_dim mod 6 = 2, so every codec runs on it, Hadamard rotations and 32-channel value groups included), 2 layers,
-a non-square 2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise blocking, a real (small) Wan VAE with the 1.3B
-layout (dim_mult [1,2,4,4], 2 res blocks: the original-format converter stays valid), a small umT5 encoder and a
-character-level tokenizer built with `tokenizers` (no sentencepiece model to download). Weights are drawn from a
+a non-square 2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise blocking, a real (small) Wan VAE with
+the 1.3B layout (dim_mult [1,2,4,4], 2 res blocks: the original-format converter stays valid), a small umT5 encoder and
+a character-level tokenizer built with `tokenizers` (no sentencepiece model to download). Weights are drawn from a
 private generator with fan-in scaling so activations are O(1) and the head is not zero (the original zero-inits it,
 video.md §2.1). `write_tiny_base` writes a base directory in either layout; `write_causvid_checkpoint` and
 `write_causal_forcing_checkpoint` write the DiT in the two training-checkpoint wrappers (§5.3-5.4).
@@ -164,7 +164,7 @@ def vae_diffusers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
     for key, value in sd.items():
         k = key
         for a, b in fixed.items():
-            if k.startswith(a) or (a.startswith(("quant", "post")) and k.startswith(a)):
+            if k.startswith(a):
                 k = b + k[len(a):]
                 break
         if m := re.match(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.+)", k):
@@ -251,3 +251,15 @@ def write_tiny_base(path: str | Path, layout: str = "diffusers", seed: int = 0) 
     else:
         raise ValueError(f"layout must be 'diffusers' or 'original', got {layout!r}")
     return path
+
+
+def write_tiny_assets(root: str | Path, *, layout: str = "diffusers", seed: int = 0) -> dict[str, Path]:
+    """Everything `mmkv generate video` needs, tiny: a base directory, a CausVid `model.pt` folder and a Causal
+    Forcing `.pt` of the same DiT. Use with `--frames 33 --height 32 --width 48` (frame-wise presets: 17 frames)."""
+    root = Path(root)
+    transformer = tiny_transformer(seed)
+    return {
+        "base": write_tiny_base(root / f"base_{layout}", layout, seed=seed),
+        "causvid": write_causvid_checkpoint(transformer, root / "causvid" / "model.pt").parent,
+        "causal_forcing": write_causal_forcing_checkpoint(transformer, root / "causal_forcing" / "framewise.pt"),
+    }
