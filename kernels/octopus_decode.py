@@ -58,7 +58,7 @@ def _octopus_decode_kernel(
     tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, bt: int | None = None, warps: int = 4) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for OCTOPUS / OCTOPUS-QJL on the kernel: [..., T, D] in `dtype`."""
     qjl = hasattr(codec, "sketch")
     *lead, T, D = enc.shape
@@ -70,7 +70,7 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
     if not rows or not T:
         return out
     n_t = codec.n_t
-    bt = 32 if D <= 128 else 16
+    bt = bt or (32 if D <= 128 else 16)
     dir_p = t["dir"].contiguous()
     rho_p = t["rho"].contiguous() if codec.rho_bits else dir_p
     qjl_p = t["qjl"].contiguous() if qjl else dir_p
@@ -79,6 +79,6 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
         dir_p, rho_p, t["gamma"].contiguous(), qjl_p, rnorm, tab["lut"], tab["rho_c"], tab["signs"], tab["sketch"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), getattr(codec, "qjl_scale", 0.0),
         dir_p.shape[-1], rho_p.shape[-1], qjl_p.shape[-1],
-        D=D, NT=n_t, BT=bt, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits, QJL=qjl, num_warps=4, **LAUNCH,
+        D=D, NT=n_t, BT=bt, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits, QJL=qjl, num_warps=warps, **LAUNCH,
     )
     return out

@@ -167,7 +167,9 @@ def _mats(codec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return device_tables(codec, device, f"octopus-mats-{dtype}", build)["m"]
 
 
-def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
+def encode(
+    codec, x: torch.Tensor, *, rotation: str | None = None, bt: int | None = None, warps: int = 4
+) -> Encoded:
     """`codec.encode(x)` for OCTOPUS / OCTOPUS-QJL on the kernel: x[..., T, D] in any float dtype, already validated."""
     qjl = hasattr(codec, "sketch")
     x = x.contiguous()
@@ -177,7 +179,8 @@ def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
     tab = _tables(codec, dev)
     n_t, ntp = codec.n_t, next_pow2(codec.n_t)
     mode = rotation or rotation_mode(x.dtype)
-    mma = mode == "mma" and not qjl and x.dtype in (torch.bfloat16, torch.float16)
+    # tl.dot needs every dim >= 16: the column count is next_pow2(n_t) (>= 16 from d = 32 on)
+    mma = mode == "mma" and not qjl and x.dtype in (torch.bfloat16, torch.float16) and ntp >= 16
     mats = _mats(codec, dev, x.dtype) if mma else x
     dir_bytes = (T * n_t * 2 * codec.dir_bits + 7) // 8
     rho_bytes = (T * n_t * codec.rho_bits + 7) // 8
@@ -187,14 +190,15 @@ def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
     gamma = torch.empty(*lead, T, dtype=torch.float32, device=dev)
     qjl_p = torch.empty(*lead, qjl_bytes if qjl else 0, dtype=torch.uint8, device=dev)
     rnorm = torch.empty(*lead, T if qjl else 0, dtype=torch.float16, device=dev)
-    bt = 32 if D <= 128 else 16
+    bt = bt or (32 if D <= 128 else 16)
+    bt = max(bt, 16) if mma else bt
     if rows and T:
         _octopus_encode_kernel[(triton.cdiv(T, bt), rows)](
             x, tab["signs"], mats, tab["xi_t"], tab["rho_t"], tab["lut"], tab["rho_c"], tab["sketch"],
             dir_p, rho_p if codec.rho_bits else dir_p, gamma, qjl_p if qjl else dir_p, rnorm if qjl else gamma,
             T, head_count(codec), 1.0 / math.sqrt(D), dir_bytes, rho_bytes, qjl_bytes,
             D=D, NT=n_t, NTP=ntp, BT=bt, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits, JOINT=codec.joint,
-            MMA=mma, QJL=qjl, INTERP=INTERPRET, num_warps=4, **LAUNCH,
+            MMA=mma, QJL=qjl, INTERP=INTERPRET, num_warps=warps, **LAUNCH,
         )
     tensors = {"dir": dir_p, "gamma": codec._store_gamma(gamma)}
     if codec.rho_bits:

@@ -45,7 +45,7 @@ def _turboquant_decode_kernel(
     tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, bt: int | None = None, warps: int = 4) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for TurboQuant-MSE on the kernel: [..., T, D] in `dtype`."""
     *lead, T, D = enc.shape
     t = enc.tensors
@@ -59,12 +59,12 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
     hi = codec.hi
     idx = t["idx"].contiguous() if hi < D else None
     idx_hi = t["idx_hi"].contiguous() if hi else None
-    bt = 32 if D <= 128 else 16
+    bt = bt or (32 if D <= 128 else 16)
     _turboquant_decode_kernel[(triton.cdiv(T, bt), rows)](
         idx if idx is not None else idx_hi, idx_hi if idx_hi is not None else idx, norm,
         tab["lo_c"], tab["hi_c"], tab["signs"], out,
         T, head_count(codec), 1.0 / math.sqrt(D),
         idx.shape[-1] if idx is not None else 0, idx_hi.shape[-1] if idx_hi is not None else 0,
-        D=D, BT=bt, B=codec.b, HI=hi, num_warps=4, **LAUNCH,
+        D=D, BT=bt, B=codec.b, HI=hi, num_warps=warps, **LAUNCH,
     )
     return out

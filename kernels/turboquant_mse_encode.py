@@ -80,7 +80,9 @@ def _hmat(codec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return device_tables(codec, device, f"hadamard-{dtype}", lambda: {"h": hadamard_pm1(codec.head_dim, dtype)})["h"]
 
 
-def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
+def encode(
+    codec, x: torch.Tensor, *, rotation: str | None = None, bt: int | None = None, warps: int = 4
+) -> Encoded:
     """`codec.encode(x)` for TurboQuant-MSE on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
@@ -95,12 +97,12 @@ def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
     idx = torch.empty(*lead, lo_bytes, dtype=torch.uint8, device=dev)
     idx_hi = torch.empty(*lead, hi_bytes, dtype=torch.uint8, device=dev)
     norm = torch.empty(*lead, T, dtype=torch.float32, device=dev)
-    bt = 32 if D <= 128 else 16
+    bt = bt or (32 if D <= 128 else 16)
     if rows and T:
         _turboquant_encode_kernel[(triton.cdiv(T, bt), rows)](
             x, tab["signs"], mat, tab["lo_t"], tab["hi_t"], idx if hi < D else idx_hi, idx_hi if hi else idx, norm,
             T, head_count(codec), 1.0 / math.sqrt(D), lo_bytes, hi_bytes,
-            D=D, BT=bt, B=b, HI=hi, MMA=mma, INTERP=INTERPRET, num_warps=4, **LAUNCH,
+            D=D, BT=bt, B=b, HI=hi, MMA=mma, INTERP=INTERPRET, num_warps=warps, **LAUNCH,
         )
     tensors = {}
     if hi < D:

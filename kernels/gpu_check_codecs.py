@@ -1,0 +1,249 @@
+"""GPU check of the codec kernels: every encode/decode kernel against its torch reference at full size, then CUDA-event
+timings (median) of encode (GB/s of bf16 input) and decode (GB/s of bf16 output) beside a device copy of the same
+tensor measured in the same run.
+
+    python -m mmkv.kernels.gpu_check_codecs [--quick] [--json out.json] [--jobs 16]
+
+Shapes: LLM-like K [8, 32, 8192, 128] and video-like K [1, 12, 4680, 128] (CausVid/Wan: 12 heads, one chunk's
+4680 tokens). Correctness: codes and side information of the kernel's encoding against the reference's on the same
+input (fraction of differing packed bytes, largest relative difference of float side tensors, relative MSE of both
+reconstructions), and the kernel's decode of the reference's encoding against the reference decode (fraction of bf16
+outputs that differ, largest difference). `--jobs` compiles the kernels in parallel worker processes first (Triton's
+on-disk cache), so the timed process only loads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+from mmkv.codecs import build
+
+SHAPES = {"llm": (8, 32, 8192, 128), "video": (1, 12, 4680, 128)}
+PRESETS = [
+    "octopus:b=2", "octopus:b=3", "octopus:b=4", "octopus:b=3,joint=0", "octopus-qjl:b=3",
+    "turboquant-mse:b=2", "turboquant-mse:b=3", "turboquant-mse:b=4", "turboquant-prod:b=3", "qjl:bits=2",
+    "polarquant:b=2", "groupquant:bits=2,group=32", "groupquant:bits=4,group=32", "kivi:bits=2,group=32",
+    "kivi:bits=2,group=32,role=v", "oscar:bits=2,group=32", "oscar:bits=2,group=32,role=v",
+]
+# Reference at the LLM shape only for these (the others are checked at the video shape); the references of the
+# rotation codecs hold [.., T, 43, 9, 3]-sized temporaries.
+FULL_REFERENCE = {"octopus:b=3", "turboquant-mse:b=4", "groupquant:bits=2,group=32", "kivi:bits=2,group=32",
+                  "oscar:bits=2,group=32", "polarquant:b=2", "qjl:bits=2"}
+# Launch variants timed for the two headline encoders: (rotation, block tokens, warps).
+VARIANTS = [("mma", 32, 4), ("mma", 64, 4), ("mma", 64, 8), ("butterfly", 32, 4), ("butterfly", 64, 8)]
+
+
+def reference_encode(codec, x):
+    """The torch reference, whatever `Codec.encode` dispatches to: `_encode` on fp32, as `Codec.encode` does."""
+    enc = codec._encode(x.float())
+    enc.shape, enc.dtype, enc.codec = tuple(x.shape), x.dtype, str(codec.config)
+    return enc
+
+
+def reference_decode(codec, enc, dtype):
+    return codec._decode(enc).to(dtype)
+
+
+def kernels_for(codec):
+    from mmkv.kernels import dispatch
+
+    stem = dispatch.KERNELS[codec.name]
+    enc = __import__(f"mmkv.kernels.{stem}_encode", fromlist=["encode"])
+    dec = __import__(f"mmkv.kernels.{stem}_decode", fromlist=["decode"])
+    if not enc.supports(codec):
+        raise RuntimeError(f"no kernel covers {codec.config}")
+    return enc.encode, dec.decode
+
+
+def bench(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over `reps` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def make_input(shape, seed=0):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+
+
+def compare(codec, x, enc_fn, dec_fn) -> dict:
+    ref = reference_encode(codec, x)
+    ker = enc_fn(codec, x)
+    out = {"bundle_ok": ref.codec == ker.codec and ref.shape == ker.shape and ref.dtype == ker.dtype
+           and ref.meta == ker.meta and list(ref.tensors) == list(ker.tensors)}
+    byte_diff, side = {}, {}
+    for k, a in ref.tensors.items():
+        b = ker.tensors[k]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out["bundle_ok"] = False
+            continue
+        if a.dtype == torch.uint8:
+            byte_diff[k] = float((a != b).float().mean())
+        else:
+            side[k] = float(((a.float() - b.float()).abs() / a.float().abs().clamp_min(1e-30)).max())
+    out["byte_diff"], out["side_rel"] = byte_diff, side
+    xf = x.float()
+    den = float(xf.square().sum())
+    r_ref = reference_decode(codec, ref, torch.float32)
+    r_ker = reference_decode(codec, ker, torch.float32)
+    out["rel_mse_ref"] = float((r_ref - xf).square().sum()) / den
+    out["rel_mse_kernel_enc"] = float((r_ker - xf).square().sum()) / den
+    del r_ker
+    d_ref = r_ref.to(torch.bfloat16)
+    d_ker = dec_fn(codec, ref, torch.bfloat16)
+    out["decode_diff_frac"] = float((d_ref != d_ker).float().mean())
+    out["decode_max_abs"] = float((d_ref.float() - d_ker.float()).abs().max())
+    return out
+
+
+def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> dict:
+    B, H, T, D = SHAPES[shape_name]
+    codec = build(preset, head_dim=D, num_heads=H, layer=1, seed=0)
+    enc_fn, dec_fn = kernels_for(codec)
+    x = make_input((B, H, T, D))
+    row = {"preset": preset, "shape": shape_name}
+    variants = [None]
+    if preset in ("octopus:b=3", "turboquant-mse:b=4") and not args.quick:
+        variants += VARIANTS
+    if warm_only:
+        for v in variants:
+            kw = {} if v is None else {"rotation": v[0], "bt": v[1], "warps": v[2]}
+            enc = enc_fn(codec, x, **kw)
+        dec_fn(codec, enc, torch.bfloat16)
+        torch.cuda.synchronize()
+        return row
+    if shape_name == "video" or preset in FULL_REFERENCE:
+        row["check"] = compare(codec, x, enc_fn, dec_fn)
+        torch.cuda.empty_cache()
+    enc = enc_fn(codec, x)
+    row["encode_ms"] = bench(lambda: enc_fn(codec, x))
+    row["decode_ms"] = bench(lambda: dec_fn(codec, enc, torch.bfloat16))
+    row["bytes_in"] = x.numel() * 2
+    row["stored_bytes"] = enc.nbytes
+    row["encode_GBs"] = row["bytes_in"] / row["encode_ms"] / 1e6
+    row["decode_GBs"] = row["bytes_in"] / row["decode_ms"] / 1e6
+    if len(variants) > 1:
+        row["variants"] = {}
+        for rot, bt, w in variants[1:]:
+            ms = bench(lambda: enc_fn(codec, x, rotation=rot, bt=bt, warps=w))
+            row["variants"][f"{rot}/bt{bt}/w{w}"] = {"encode_ms": ms, "encode_GBs": row["bytes_in"] / ms / 1e6}
+    if preset in FULL_REFERENCE or shape_name == "video":
+        try:
+            row["reference_encode_ms"] = bench(lambda: reference_encode(codec, x), reps=2, warmup=1)
+        except torch.OutOfMemoryError:
+            row["reference_encode_ms"] = None
+    del x, enc
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="video shape only, no launch variants")
+    p.add_argument("--only", action="append", help="preset(s) to run (default: all)")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--jobs", type=int, default=0, help="compile in this many worker processes first")
+    p.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check_codecs: no CUDA device")
+        return 2
+    presets = args.only or PRESETS
+    shapes = ["video"] if args.quick else ["video", "llm"]
+    if args.jobs and not args.warm_only:
+        t0 = time.time()
+        procs, failed = [], []
+        todo = list(presets)
+        while todo or procs:
+            while todo and len(procs) < args.jobs:
+                pre = todo.pop(0)
+                cmd = [sys.executable, "-m", "mmkv.kernels.gpu_check_codecs", "--warm-only", "--only", pre]
+                procs.append((pre, subprocess.Popen(cmd + (["--quick"] if args.quick else []),
+                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
+            for pre, pr in list(procs):
+                if pr.poll() is not None:
+                    procs.remove((pre, pr))
+                    if pr.returncode:
+                        failed.append(pre)
+                        print(f"[warm] {pre} failed:\n{pr.stdout.read().decode()[-3000:]}")
+            time.sleep(0.2)
+        print(f"[warm] compiled {len(presets)} presets in {time.time() - t0:.0f} s; failed: {failed or 'none'}")
+    if not args.warm_only:
+        import triton
+
+        props = torch.cuda.get_device_properties(0)
+        print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+              f"triton {triton.__version__}, CUDA {torch.version.cuda}, python {platform.python_version()}")
+        x = make_input(SHAPES["llm"])
+        y = torch.empty_like(x)
+        copy_ms = bench(lambda: y.copy_(x))
+        copy = {"bytes": x.numel() * 2, "ms": copy_ms, "GBs_in": x.numel() * 2 / copy_ms / 1e6,
+                "GBs_rw": 2 * x.numel() * 2 / copy_ms / 1e6}
+        print(f"device copy of bf16 {list(x.shape)}: {copy_ms:.3f} ms = {copy['GBs_in']:.0f} GB/s of input "
+              f"({copy['GBs_rw']:.0f} GB/s read+write)")
+        copies = {"llm": copy_ms}
+        xv = make_input(SHAPES["video"])
+        yv = torch.empty_like(xv)
+        copies["video"] = bench(lambda: yv.copy_(xv))
+        del x, y, xv, yv
+    rows = []
+    for shape_name in shapes:
+        for pre in presets:
+            try:
+                row = run_preset(pre, shape_name, args, warm_only=args.warm_only)
+            except Exception as err:  # report and go on: one failing kernel must not hide the others
+                row = {"preset": pre, "shape": shape_name, "error": f"{type(err).__name__}: {err}"}
+                print(f"!! {pre} {shape_name}: {row['error']}\n{traceback.format_exc()[-2500:]}")
+            rows.append(row)
+            if not args.warm_only:
+                print(json.dumps(row), flush=True)
+    if args.warm_only:
+        return 0
+    print()
+    print(f"| shape | preset | encode ms | enc GB/s | enc/copy | decode ms | dec GB/s | dec/copy | ref enc ms | "
+          f"codes differ | side rel | dec differ | rel MSE ref/kernel |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['preset']} | ERROR {r['error'][:80]} |")
+            continue
+        c = r.get("check", {})
+        bd = max(c["byte_diff"].values()) if c.get("byte_diff") else float("nan")
+        sr = max(c["side_rel"].values()) if c.get("side_rel") else float("nan")
+        cp = copies[r["shape"]]
+        ref = r.get("reference_encode_ms")
+        print(f"| {r['shape']} | {r['preset']} | {r['encode_ms']:.3f} | {r['encode_GBs']:.0f} | "
+              f"{r['encode_ms'] / cp:.2f} | {r['decode_ms']:.3f} | {r['decode_GBs']:.0f} | {r['decode_ms'] / cp:.2f} | "
+              f"{'-' if ref is None else f'{ref:.1f}'} | {bd:.2g} | {sr:.2g} | {c.get('decode_diff_frac', float('nan')):.2g} | "
+              f"{c.get('rel_mse_ref', float('nan')):.5f}/{c.get('rel_mse_kernel_enc', float('nan')):.5f} |")
+        for name, v in r.get("variants", {}).items():
+            print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.0f} | {v['encode_ms'] / cp:.2f} | | | | | | | | |")
+    print(f"\ncopy ms: {copies}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy": copy, "copies_ms": copies, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
