@@ -27,11 +27,11 @@ SR = 24000
 # (preset, variant folder, nominal bits, noise sigma, KV×, effective bits): lower sigma = better codec
 PRESETS = [
     ("identity", "identity", None, 0.0, 1.0, 16.0),
-    ("turboquant:b=4", "turboquant_b4", 4, 5.0, 2.4, 4.6),
-    ("octopus:b=4,joint=1,norm=32", "octopus_b4_joint1_norm32", 4, 2.0, 2.3, 4.8),
-    ("turboquant:b=2", "turboquant_b2", 2, 14.0, 3.2, 2.7),
-    ("polarquant:b=2", "polarquant_b2", 2, 9.0, 3.3, 2.6),
-    ("octopus:b=2,joint=1,norm=32", "octopus_b2_joint1_norm32", 2, 6.0, 3.1, 2.9),
+    ("turboquant:b=4", "turboquant_b4", 4, 8.0, 2.4, 4.6),
+    ("octopus:b=4,joint=1,norm=32", "octopus_b4_joint1_norm32", 4, 3.0, 2.3, 4.8),
+    ("turboquant:b=2", "turboquant_b2", 2, 24.0, 3.2, 2.7),
+    ("polarquant:b=2", "polarquant_b2", 2, 16.0, 3.3, 2.6),
+    ("octopus:b=2,joint=1,norm=32", "octopus_b2_joint1_norm32", 2, 10.0, 3.1, 2.9),
 ]
 CAUSAL_FRAMES = 4  # the first chunk never reads the compressed cache: bit-identical frames
 
