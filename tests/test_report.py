@@ -306,6 +306,21 @@ def test_plots_are_written(video_run, audio_run, tmp_path):
     assert img.shape[0] > 200 and img.shape[1] > 300 and img.std() > 5  # something was drawn
 
 
+def test_audio_gallery_has_players_spectrograms_and_metrics(audio_run, tmp_path):
+    import imageio.v3 as iio
+
+    from mmkv.report.gallery import write_report
+
+    rs, _, s = _summary([audio_run])
+    page = write_report(tmp_path, s, rs, [T.render(main_table(s), "html")], [], []).read_text()
+    n = 2 * (1 + len(PRESETS))
+    assert page.count("<audio controls") == n and page.count('<img class="spec"') == n
+    assert "../" + audio_run.parent.name + "/run/rollouts/clip_a/reference/audio.wav" in page
+    assert "SNR 120.0" in page  # identity clips sit at the cap
+    spec = iio.imread(tmp_path / "stills" / "aar" / "clip_a" / "reference.png")
+    assert spec.shape[0] == 80 and spec.std() > 5
+
+
 COLOURS = [  # per item: reference, codec A, codec B
     [(220, 30, 30), (30, 200, 40), (30, 60, 220)],
     [(230, 220, 30), (210, 40, 200), (30, 210, 210)],
