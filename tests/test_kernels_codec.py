@@ -1,0 +1,285 @@
+"""Codec kernels (kernels/*_encode.py, *_decode.py, rotation.py, packing.py) against their torch references, run on
+CPU through Triton's interpreter at small shapes (odd token counts, several heads, bf16/fp16/fp32 inputs).
+
+What must hold: the rotation and the bit packing are bit-identical; the min-max family encodes bit-identically; the
+rotation codecs encode the same codes (a code may only move where a norm computed in another summation order puts
+the input within an ulp of a decision boundary, so at most a handful per test) with norms within fp32 rounding;
+decoders reproduce the reference bit for bit where they use the same operations (fp32 butterfly), and within one
+output ulp where an fp32 matrix product or cos/sin stands in (QJL, TurboQuant-prod, PolarQuant).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+
+import importlib  # noqa: E402
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from mmkv.codecs import CodecError, build  # noqa: E402
+from mmkv.codecs.packing import pack_bits  # noqa: E402
+from mmkv.codecs.rotation import RandomizedHadamard, hadamard_transform  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is set to something other than 1 and there is no GPU", allow_module_level=True)
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+STEMS = ["octopus", "octopus_qjl", "turboquant_mse", "turboquant_prod", "qjl", "polarquant", "groupquant", "kivi",
+         "oscar"]
+ORDER = ["common", "packing", "rotation"] + [f"{s}_{op}" for s in STEMS for op in ("encode", "decode")] + ["dispatch"]
+
+
+def _kernel_modules() -> dict:
+    """The kernel modules, (re)loaded under the interpreter if something imported them before the variable was set."""
+    mods = {name: importlib.import_module(f"mmkv.kernels.{name}") for name in ORDER}
+    if not isinstance(mods["rotation"]._rotate_kernel, InterpretedFunction):
+        mods = {name: importlib.reload(mods[name]) for name in ORDER}
+    return mods
+
+
+K = _kernel_modules()
+from mmkv.kernels.packing import pack_block, unpack_block  # noqa: E402  (after the reload above)
+
+EXACT = {"groupquant", "kivi", "oscar-v"}  # bit-identical encodings (no summation-order-dependent norm)
+SKETCHED = {"qjl", "turboquant-prod", "polarquant"}  # decoders with an fp32 product or cos/sin
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def keys(shape, seed, dtype=torch.float32) -> torch.Tensor:
+    # a mean offset and a few outlier channels, like real keys
+    x = torch.randn(*shape, generator=gen(seed)) * 2.0 + 0.3
+    x[..., :: max(1, shape[-1] // 5)] *= 6.0
+    return x.to(dtype)
+
+
+def reference_encode(codec, x):
+    """The torch reference whatever `Codec.encode` dispatches to: `_encode` on fp32, as `Codec.encode` does."""
+    enc = codec._encode(x.float())
+    enc.shape, enc.dtype, enc.codec = tuple(x.shape), x.dtype, str(codec.config)
+    return enc
+
+
+def kernel(codec, op):
+    stem = K["dispatch"].KERNELS[codec.name]
+    return getattr(K[f"{stem}_{op}"], op)
+
+
+def tag(codec) -> str:
+    return "oscar-v" if codec.name == "oscar" and codec.role == "v" else codec.name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_kernels_run_in_the_interpreter():
+    jitted = [getattr(m, n) for m in K.values() for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
+    assert len(jitted) >= 12
+    assert all(isinstance(f, InterpretedFunction) for f in jitted), [type(f) for f in jitted]
+
+
+@pytest.mark.parametrize("d,heads", [(16, 1), (64, 3), (128, 2)])
+def test_rotation_is_bit_identical(d, heads):
+    rot = RandomizedHadamard(d, num_heads=heads, seed=7, layer=3)
+    shape = (2, heads, 19, d) if heads > 1 else (19, d)
+    x = keys(shape, d)
+    u = K["rotation"].rotate(x, rot.signs)
+    assert torch.equal(u, rot.forward(x))
+    assert torch.equal(K["rotation"].rotate(u, rot.signs, inverse=True), rot.inverse(u))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(K["rotation"].rotate(xb), hadamard_transform(xb.float()))
+
+
+@triton.jit
+def _pack_harness_kernel(c_ptr, out_ptr, back_ptr, T, row_bytes, BT: tl.constexpr, NP: tl.constexpr, N: tl.constexpr,
+                         W: tl.constexpr, A0: tl.constexpr, P0: tl.constexpr, NV: tl.constexpr):
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    t0 = pid * BT
+    n_tok = tl.minimum(BT, T - t0)
+    tt = tl.arange(0, BT)
+    a = tl.arange(0, NP)
+    m = (tt < n_tok)[:, None] & (a >= A0)[None, :] & (a < A0 + NV)[None, :]
+    off = row * T * N + (t0 + tt)[:, None] * N + (a - A0 + P0)[None, :]
+    codes = tl.load(c_ptr + off, mask=m, other=0)
+    base = row.to(tl.int64) * row_bytes
+    pack_block(codes, out_ptr, base, t0, n_tok, BT, NP, N, W, A0, P0, NV)
+    tl.store(back_ptr + off, unpack_block(out_ptr, base, t0, n_tok, BT, NP, N, W, A0, P0, NV), mask=m)
+
+
+@pytest.mark.parametrize(
+    "n,w,np_,a0,chunk",
+    [(43, 8, 64, 0, 0), (43, 2, 64, 0, 0), (43, 10, 64, 0, 0), (128, 3, 128, 0, 0), (128, 4, 128, 0, 0),
+     (83, 4, 128, 45, 0), (40, 5, 64, 8, 0), (256, 1, 64, 0, 64), (2, 3, 2, 0, 0)],
+)
+def test_packing_is_bit_identical(n, w, np_, a0, chunk):
+    """Fast (whole bytes per token) and gather paths, ragged tails, array offsets (A0) and plane chunks (P0)."""
+    T, rows, bt = 21, 2, 8
+    codes = torch.randint(0, 2**w, (rows, T, n), generator=gen(n * 17 + w), dtype=torch.int32)
+    ref = pack_bits(codes.flatten(-2), w)
+    out = torch.zeros_like(ref)
+    back = torch.zeros_like(codes)
+    nv = chunk or n
+    for p0 in range(0, n, nv):
+        _pack_harness_kernel[(triton.cdiv(T, bt), rows)](
+            codes, out, back, T, ref.shape[-1], BT=bt, NP=np_, N=n, W=w, A0=a0, P0=p0, NV=nv
+        )
+    assert torch.equal(out, ref)
+    assert torch.equal(back, codes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# encode and decode against the references: (preset, head_dim, heads (0: a bare [T, D] unit), tokens, input dtype)
+
+CASES = [
+    ("octopus:b=3", 128, 2, 21, torch.bfloat16),
+    ("octopus:b=2,joint=0", 64, 2, 19, torch.float32),
+    ("octopus:b=4,norm=16", 32, 0, 13, torch.float16),
+    ("octopus:b=1", 16, 2, 9, torch.float32),
+    ("octopus-qjl:b=2", 64, 2, 19, torch.float32),
+    ("turboquant-mse:b=4", 128, 2, 21, torch.bfloat16),
+    ("turboquant-mse:b=3,hi=45", 128, 0, 11, torch.float32),
+    ("turboquant-mse:b=6,norm=16", 32, 2, 9, torch.float16),
+    ("turboquant-prod:b=3", 64, 2, 19, torch.bfloat16),
+    ("qjl:bits=3", 32, 2, 13, torch.float32),
+    ("polarquant:b=2", 64, 2, 19, torch.bfloat16),
+    ("polarquant:levels=4222", 16, 0, 9, torch.float32),
+    ("groupquant:bits=2,group=32", 128, 2, 21, torch.bfloat16),
+    ("groupquant:bits=3,group=16,meta=fp32", 80, 0, 11, torch.float32),
+    ("kivi:bits=2,group=32", 64, 2, 70, torch.bfloat16),
+    ("kivi:bits=4,group=8,role=v", 32, 2, 13, torch.float16),
+    ("oscar:bits=2,group=16", 64, 4, 37, torch.bfloat16),
+    ("oscar:bits=3,group=32,role=v", 128, 2, 19, torch.float32),
+]
+
+
+def _setup(preset, d, heads, t, dtype):
+    codec = build(preset, head_dim=d, num_heads=max(heads, 1), layer=2, seed=11)
+    shape = (2, heads, t, d) if heads else (t, d)
+    return codec, keys(shape, zlib.crc32(preset.encode()) % 1000 + d, dtype)
+
+
+def _codes(codec, enc, name):
+    """Unpacked codes of one plane of `enc` (planes are dense bit streams; widths from the reference codec)."""
+    from mmkv.codecs.packing import unpack_bits
+
+    widths = {
+        "dir": lambda c: 2 * c.dir_bits, "rho": lambda c: c.rho_bits, "qjl": lambda c: 1,
+        "idx": lambda c: c.b - (1 if c.name == "turboquant-prod" else 0), "idx_hi": lambda c: c.b + 1,
+        "signs": lambda c: 1, "codes": lambda c: c.bits,
+    }
+    if name.startswith("angles"):
+        w = codec.level_bits[int(name[-1]) - 1]
+    else:
+        w = widths[name](codec)
+    packed = enc.tensors[name]
+    return unpack_bits(packed, w, packed.shape[-1] * 8 // w)
+
+
+@pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[c[0] + f"-d{c[1]}" for c in CASES])
+def test_encode_matches_reference(preset, d, heads, t, dtype):
+    codec, x = _setup(preset, d, heads, t, dtype)
+    ref = reference_encode(codec, x)
+    ker = kernel(codec, "encode")(codec, x)
+    assert (ker.codec, ker.shape, ker.dtype, ker.meta) == (ref.codec, ref.shape, ref.dtype, ref.meta)
+    assert list(ker.tensors) == list(ref.tensors)
+    assert ker.nbytes == ref.nbytes
+    for name, a in ref.tensors.items():
+        b = ker.tensors[name]
+        assert (b.shape, b.dtype, b.device) == (a.shape, a.dtype, a.device), name
+        if tag(codec) in EXACT:
+            assert torch.equal(a, b), name
+        elif a.dtype == torch.uint8:
+            ca, cb = _codes(codec, ref, name), _codes(codec, ker, name)
+            moved = int((ca != cb).sum())
+            assert moved <= max(2, ca.numel() // 1000), f"{name}: {moved} of {ca.numel()} codes differ"
+        else:  # norms: the same up to summation order (fp32) or its fp16 rounding
+            rtol = 1e-6 if a.dtype == torch.float32 else 1e-3
+            torch.testing.assert_close(b, a, rtol=rtol, atol=0)
+    # and what it stores reconstructs as well as the reference's own encoding
+    xf = x.float()
+    err_ref = float((codec._decode(ref) - xf).square().sum())
+    err_ker = float((codec._decode(ker) - xf).square().sum())
+    assert err_ker == pytest.approx(err_ref, rel=1e-3)
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[c[0] + f"-d{c[1]}" for c in CASES])
+def test_decode_matches_reference(preset, d, heads, t, dtype, out):
+    codec, x = _setup(preset, d, heads, t, dtype)
+    enc = reference_encode(codec, x)
+    want = codec._decode(enc).to(out)
+    got = kernel(codec, "decode")(codec, enc, out)
+    assert got.shape == want.shape and got.dtype == out and got.device == want.device
+    if codec.name in SKETCHED:
+        # another summation order (S^T z) or numpy's cos/sin: within one ulp of the output dtype
+        ulp = 2.0**-7 if out == torch.bfloat16 else 2.0**-20
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp * float(want.float().abs().max()))
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("preset", ["octopus:b=3", "turboquant-mse:b=2"])
+def test_tensor_core_rotation_gives_the_same_codes(preset):
+    """The tensor-core Hadamard (bf16 operands, fp32 sums in another order) against the bit-exact butterfly."""
+    codec, x = _setup(preset, 64, 2, 21, torch.bfloat16)
+    fn = kernel(codec, "encode")
+    mma, bfly = fn(codec, x, rotation="mma"), fn(codec, x, rotation="butterfly")
+    for name, a in bfly.tensors.items():
+        if a.dtype == torch.uint8:
+            ca, cb = _codes(codec, bfly, name), _codes(codec, mma, name)
+            assert int((ca != cb).sum()) <= max(2, ca.numel() // 1000), name
+        else:
+            torch.testing.assert_close(mma.tensors[name], a, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("preset", ["octopus:b=2", "groupquant:bits=4,group=32", "kivi:bits=2,group=8"])
+def test_empty_token_axis(preset):
+    codec, _ = _setup(preset, 32, 2, 1, torch.float32)
+    x = torch.zeros(1, 2, 0, 32)
+    ref, ker = reference_encode(codec, x), kernel(codec, "encode")(codec, x)
+    assert {k: v.shape for k, v in ker.tensors.items()} == {k: v.shape for k, v in ref.tensors.items()}
+    assert kernel(codec, "decode")(codec, ker, torch.bfloat16).shape == (1, 2, 0, 32)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow warnings inside the interpreter
+def test_overflowing_side_information_is_refused():
+    big = keys((1, 2, 9, 32), 5) * 1e5  # beyond fp16
+    gq = build("groupquant:bits=2,group=16", head_dim=32, num_heads=2)
+    with pytest.raises(CodecError, match="overflow"):
+        kernel(gq, "encode")(gq, big)
+    oc = build("octopus:b=2,norm=16", head_dim=32, num_heads=2)
+    with pytest.raises(CodecError, match="fp16"):
+        kernel(oc, "encode")(oc, big)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_dispatch_table(monkeypatch):
+    lookup = K["dispatch"].lookup
+    for preset, d, heads, _, _ in CASES:
+        codec = build(preset, head_dim=d, num_heads=max(heads, 1))
+        assert callable(lookup("encode", codec)) and callable(lookup("decode", codec)), preset
+    assert lookup("encode", build("identity", head_dim=64)) is None
+    assert lookup("encode", build("groupquant:group=24", head_dim=64)) is None  # no kernel for ragged groups
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        lookup("scores", build("octopus", head_dim=64))
+    codec = build("octopus", head_dim=64)
+    monkeypatch.setenv("MMKV_KERNELS", "0")
+    assert lookup("encode", codec) is None
+    monkeypatch.setenv("MMKV_KERNELS", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert lookup("decode", codec) is None  # off CUDA, no interpreter
