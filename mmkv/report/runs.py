@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from mmkv.metrics.video import LPIPSWeightsNotFound
+
 REFERENCE = "reference"
 ROLLOUT_FILE = "rollout.json"
 METRICS_FILE = "metrics.json"
@@ -482,8 +484,8 @@ def measure_all(rs: RunSet, measurer: Measurer, progress=None) -> list[Measured]
     for ref, test in (progress(pairs) if progress else pairs):
         try:
             out.append(Measured(ref, test, measurer.measure(ref, test)))
+        except LPIPSWeightsNotFound:
+            raise  # a setup problem for every video rollout: stop and say where the weights go
         except (ValueError, OSError, RuntimeError) as err:
-            if type(err).__name__ == "LPIPSWeightsNotFound":
-                raise  # a setup problem for every video rollout: stop and say where the weights go
             rs.problems.append(f"{test.where()}: metrics failed: {err}")
     return out
