@@ -113,7 +113,7 @@ class Conditioner:
                 f for f in sorted(p.iterdir())
                 if f.is_file() and (f.suffix in (".bin", ".safetensors", ".pt") or f.name.endswith("config.json"))
             ]
-            self.key = {"backend": args.clap_backend, "sha256": clap._sha256_files(files),
+            self.key = {"backend": args.clap_backend, "sha256": clap.sha256_files(files),
                         "preprocessing": clap.PREPROCESSING_VERSION}
             self.identity = {**self.key, "path": str(p)}
         else:

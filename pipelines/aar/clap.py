@@ -208,7 +208,7 @@ def _check_embedding(emb: torch.Tensor, where: str, dim: int = EMBED_DIM) -> tor
     return emb.float()
 
 
-def _sha256_files(paths: list[Path]) -> str:
+def sha256_files(paths: list[Path]) -> str:
     h = hashlib.sha256()
     for p in sorted(paths):
         h.update(p.name.encode())
@@ -245,7 +245,7 @@ class ClapEmbedder:
         self.max_samples = min(CLAP_MAX_SAMPLES, int(self.features.nb_max_samples))
         weights = [p for p in d.iterdir() if p.is_file() and (p.suffix in (".bin", ".safetensors")
                                                                 or p.name.endswith(".json"))]
-        self.identity = {"backend": self.backend, "directory": str(d), "sha256": _sha256_files(weights),
+        self.identity = {"backend": self.backend, "directory": str(d), "sha256": sha256_files(weights),
                          "preprocessing": PREPROCESSING_VERSION, "max_samples": self.max_samples}
 
     @torch.no_grad()
@@ -288,7 +288,7 @@ class LaionClapEmbedder:
         self.model = laion_clap.CLAP_Module(enable_fusion=False, amodel=amodel, device=str(self.device))
         self.model.load_ckpt(str(ckpt))
         self.max_samples = CLAP_MAX_SAMPLES
-        self.identity = {"backend": self.backend, "checkpoint": str(ckpt), "sha256": _sha256_files([ckpt]),
+        self.identity = {"backend": self.backend, "checkpoint": str(ckpt), "sha256": sha256_files([ckpt]),
                          "amodel": amodel, "preprocessing": PREPROCESSING_VERSION}
 
     @torch.no_grad()
