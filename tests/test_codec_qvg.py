@@ -1,0 +1,391 @@
+"""QVG (`mmkv/codecs/qvg.py`, qvg.md) against an independent numpy fp32 computation of the same algorithm, the spec's
+bit accounting, its quantiser edge cases, and the Triton kernels (`kernels/qvg_*.py`) under TRITON_INTERPRET on CPU.
+
+The independent computation shares only the seed contract with the codec (init indices drawn from
+`private_generator(seed, "qvg-kmeans-init", layer, stage)`); distances, means, residuals and the quantiser are written
+again in numpy, so equal ids, centres, codes and reconstructions mean the codec computes what qvg.md §2-3 says.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+
+import importlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mmkv.codecs import CodecError, build  # noqa: E402
+from mmkv.codecs import qvg as Q  # noqa: E402
+from mmkv.codecs.base import private_generator  # noqa: E402
+from mmkv.codecs.packing import pack_bits, unpack_bits  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def kv_like(shape, seed, dtype=torch.bfloat16) -> torch.Tensor:
+    # a mean offset and a few large channels, like real keys
+    x = torch.randn(*shape, generator=gen(seed)) * 1.5 + 0.2
+    x[..., :: max(1, shape[-1] // 6)] *= 4.0
+    return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The independent computation (numpy fp32; fp64 cluster sums; torch only for the bf16 / E4M3 roundings)
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).bfloat16().float().numpy()
+
+
+def independent_qvg(x: torch.Tensor, *, seed, layer, k, iters, tol, bits, block, stages=1):
+    """x [P, N, D] -> (reconstruction fp32, ids per stage, centres per stage, unsigned codes, E4M3 scales)."""
+    work = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    p_count, n, d = x.shape
+    r = x.to(work).float().numpy()
+    ids_all, cents_all = [], []
+    for stage in range(stages):
+        idx = torch.randint(0, n, (p_count, k), generator=private_generator(seed, "qvg-kmeans-init", layer, stage))
+        c = _bf16(np.stack([r[p][idx[p].numpy()] for p in range(p_count)]))
+        prev = None
+        for _ in range(iters):
+            ids = np.empty((p_count, n), np.int64)
+            new = c.copy()
+            for p in range(p_count):
+                xs, cs = r[p], c[p]
+                dist = ((xs * xs).sum(1)[:, None] + (cs * cs).sum(1)[None, :]) - np.float32(2) * (xs @ cs.T)
+                ids[p] = np.maximum(dist, 0).argmin(1)
+                sums = np.zeros((k, d))
+                np.add.at(sums, ids[p], xs.astype(np.float64))
+                count = np.bincount(ids[p], minlength=k)
+                new[p] = np.where(count[:, None] > 0, _bf16((sums / np.maximum(count, 1)[:, None]).astype(np.float32)),
+                                  cs)
+            if prev is not None and (ids != prev).mean() < tol:
+                break  # pre-update centres with this iteration's ids
+            c, prev = new, ids
+        ids_all.append(ids)
+        cents_all.append(c)
+        r = torch.from_numpy(r - np.take_along_axis(c, ids[..., None], 1)).to(work).float().numpy()
+    qmax = 2 ** (bits - 1) - 1
+    rb = r.reshape(p_count, n, d // block, block)
+    raw = np.minimum(np.maximum(np.abs(rb).max(-1) / np.float32(qmax), np.float32(1e-10)), np.float32(448))
+    scales = torch.from_numpy(raw).to(torch.float8_e4m3fn)
+    s = scales.float().numpy()[..., None]
+    y = rb / np.where(s > 0, s, 1)
+    a = np.abs(y)
+    t = np.floor(a)
+    q = np.where(s > 0, np.clip(np.sign(y) * (t + (a - t >= 0.5)), -qmax, qmax), 0)
+    recon = (q * s).reshape(p_count, n, d).astype(np.float32)
+    for st in range(stages):
+        recon = recon + np.take_along_axis(cents_all[st], ids_all[st][..., None], 1)
+    return recon, ids_all, cents_all, (q + qmax).reshape(p_count, n, d).astype(np.int64), scales
+
+
+def _rel_err(recon: np.ndarray, x: torch.Tensor) -> float:
+    xf = x.float().numpy()
+    return float(((recon - xf) ** 2).sum() / (xf**2).sum())
+
+
+def _compare_with_independent(x4: torch.Tensor, preset: str, seed: int, layer: int):
+    """Encode [B, H, N, D] with the codec and the independent computation; assert they agree."""
+    b, h, n, d = x4.shape
+    codec = build(preset, head_dim=d, num_heads=h, seed=seed, layer=layer)
+    enc = codec.encode(x4)
+    y = codec.decode(enc, torch.float32).reshape(b * h, n, d).numpy()
+    recon, ids, cents, codes, scales = independent_qvg(
+        x4.reshape(b * h, n, d), seed=seed, layer=layer, k=codec.centroids, iters=codec.iters, tol=codec.tol,
+        bits=codec.bits, block=codec.block, stages=codec.stages,
+    )
+    x3 = x4.reshape(b * h, n, d)
+    # reconstruction error of the same algorithm, and (up to summation-order near-ties in the distances) the same
+    # ids, centres, codes and E4M3 scales
+    assert _rel_err(y, x3) == pytest.approx(_rel_err(recon, x3), rel=1e-4)
+    for st in range(codec.stages):
+        assert (enc.tensors["ids"][st].reshape(b * h, n).long().numpy() == ids[st]).mean() >= 0.999
+        assert (enc.tensors["centroids"][st].reshape(b * h, -1, d).float().numpy() == cents[st]).mean() >= 0.999
+    got_codes = unpack_bits(enc.tensors["codes"], codec.bits, n * d).reshape(b * h, n, d).numpy()
+    assert (got_codes == codes).mean() >= 0.999
+    assert (enc.tensors["scales"].reshape(b * h, n, -1).view(torch.uint8) == scales.view(torch.uint8)).float().mean() \
+        >= 0.999
+    assert (y == recon).mean() >= 0.999
+    return codec, enc, _rel_err(y, x3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Acceptance: independent computation and bit accounting
+
+
+def test_int2_4680_token_span_matches_independent_fp32_and_the_spec_bits():
+    x = kv_like((1, 2, 4680, 128), seed=1)
+    codec, enc, err = _compare_with_independent(x, "qvg:bits=2,centroids=256,block=64,stages=1", seed=5, layer=4)
+    # qvg.md §5.2: 2 + 8/64 + 8/128 + 256*16/4680 = 3.0627 bits per element, measured from the stored tensors
+    assert enc.effective_bits == pytest.approx(2 + 0.125 + 0.0625 + 4096 / 4680, abs=1e-12)
+    assert round(enc.effective_bits, 2) == 3.06 and codec.expected_bits(4680) == enc.effective_bits
+    assert enc.nbytes == sum(t.numel() * t.element_size() for t in enc.tensors.values())
+    assert {k: t.dtype for k, t in enc.tensors.items()} == {
+        "codes": torch.uint8, "scales": torch.float8_e4m3fn, "ids": torch.uint8, "centroids": torch.bfloat16}
+    assert enc.tensors["centroids"].shape == (1, 1, 2, 256, 128) and enc.tensors["ids"].shape == (1, 1, 2, 4680)
+    assert 0.05 < err < 0.6  # ternary residuals after smoothing: lossy, far from useless
+
+
+@pytest.mark.parametrize("preset, expect", [
+    ("qvg:bits=4,centroids=256", 4 + 0.125 + 0.0625 + 4096 / 1560),
+    ("qvg:bits=2,centroids=64,block=16,stages=2,asymmetric=true", 2 + 2 * 0.5 + 2 * 0.0625 + 2 * 64 * 16 / 1560),
+])
+def test_bits_follow_the_spec_formula(preset, expect):
+    codec = build(preset, head_dim=128, num_heads=2)
+    enc = codec.encode(kv_like((2, 1560, 128), seed=2))
+    assert enc.effective_bits == pytest.approx(expect, abs=1e-12) == codec.expected_bits(1560)
+
+
+def test_stages_and_fp32_input_match_independent_computation():
+    x = kv_like((1, 2, 300, 64), seed=3, dtype=torch.float32)
+    _, enc, err2 = _compare_with_independent(x, "qvg:bits=2,centroids=32,block=32,stages=2,iters=4", seed=1, layer=0)
+    _, _, err1 = _compare_with_independent(x, "qvg:bits=2,centroids=32,block=32,stages=1,iters=4", seed=1, layer=0)
+    assert err2 < err1  # progressive residual quantisation: a second stage lowers the error (qvg.md §3.1)
+    assert enc.meta["kmeans_iters"] and all(1 <= i <= 4 for i in enc.meta["kmeans_iters"])
+
+
+def _tiny_video_kv() -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of layer 1 after a 9-frame chunk-wise rollout of the tiny causal Wan DiT (8x12 latents: 24 tokens a
+    frame), captured from a native store."""
+    from mmkv.cache import CacheConfig, KVStore
+    from mmkv.pipelines.common import NoiseStream
+    from mmkv.pipelines.wan.loop import get_preset, rollout
+    from mmkv.pipelines.wan.tiny import TINY_DIT, tiny_dit
+
+    dit = tiny_dit(seed=3)
+    store = KVStore(CacheConfig(codec=None), num_layers=TINY_DIT["num_layers"],
+                    num_heads=TINY_DIT["num_attention_heads"], head_dim=TINY_DIT["attention_head_dim"])
+    context = torch.randn(1, 16, TINY_DIT["text_dim"], generator=gen(11))
+    with torch.no_grad(), store.attach(dit.transformer):
+        rollout(dit, get_preset("causvid"), context, NoiseStream(0, 0), num_frames=9, latent_height=8,
+                latent_width=12)
+    return store.past(1)
+
+
+def test_tiny_video_kv_matches_independent_fp32_computation():
+    k, v = _tiny_video_kv()
+    assert k.shape == (1, 2, 9 * 24, 32) and k.std() > 0.1 and v.std() > 0.1
+    for x, layer in ((k, 1), (v, 1)):
+        _, enc, err = _compare_with_independent(x, "qvg:bits=2,centroids=16,block=16", seed=0, layer=layer)
+        assert err < 0.6
+    _, _, err4 = _compare_with_independent(k, "qvg:bits=4,centroids=16,block=16", seed=0, layer=1)
+    assert err4 < err  # INT4 residuals beat INT2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pieces: quantiser given ids and centres, k-means, packing layout, edge blocks
+
+
+def test_quantiser_alone_is_exact_given_the_same_ids_and_centres():
+    # qvg.md §8.7 #1: feed identical ids and centres, compare codes and scales exactly
+    r = kv_like((3, 50, 64), seed=4, dtype=torch.float32)
+    for bits in (2, 4):
+        codes, scales, zeros = Q.quantize_residual(r, bits, 32)
+        assert zeros is None and scales.dtype == torch.float8_e4m3fn and scales.shape == (3, 50, 2)
+        qmax = 2 ** (bits - 1) - 1
+        rn = r.numpy().reshape(3, 50, 2, 32)
+        raw = np.minimum(np.maximum(np.abs(rn).max(-1) / np.float32(qmax), np.float32(1e-10)), np.float32(448))
+        want_s = torch.from_numpy(raw).to(torch.float8_e4m3fn)
+        assert torch.equal(scales.view(torch.uint8), want_s.view(torch.uint8))
+        s = want_s.float().numpy()[..., None]
+        y = rn / s
+        a = np.abs(y)
+        want = np.clip(np.sign(y) * (np.floor(a) + (a - np.floor(a) >= 0.5)), -qmax, qmax) + qmax
+        assert np.array_equal(codes.numpy(), want.reshape(3, 50, 64))
+        assert codes.min() >= 0 and codes.max() <= 2 * qmax  # INT2 is ternary: code 3 never occurs
+    # asymmetric (off by default): min-max over 2^b - 1 levels with an E4M3 zero point
+    codes, scales, zeros = Q.quantize_residual(r, 2, 32, asymmetric=True)
+    assert zeros is not None and codes.max() == 3
+    back = Q.dequantize_residual(codes, scales, zeros, 2, 32)
+    assert ((back - r) ** 2).sum() / (r**2).sum() < 0.4  # coarse E4M3 zero point (qvg.md §10 #11)
+
+
+def test_kmeans_with_fixed_init_matches_lloyd():
+    pts = kv_like((2, 200, 16), seed=5, dtype=torch.float32)
+    init = pts[:, :8].to(torch.bfloat16)
+    ids, cents, iters = Q.kmeans(pts, init, iters=50, tol=0.0)
+    # a fixed point of Lloyd: every point sits with its nearest (bf16) centre and every non-empty centre is its
+    # cluster's mean rounded to bf16
+    d = torch.cdist(pts.double(), cents.double())
+    assert (d.gather(-1, ids.unsqueeze(-1)).squeeze(-1) <= d.min(-1).values + 1e-6).all()
+    for p in range(2):
+        for c in ids[p].unique():
+            mean = pts[p][ids[p] == c].double().mean(0).float().to(torch.bfloat16)
+            assert torch.equal(cents[p, c], mean)
+    # objective within 1e-3 of the released convergence rule's result at the same init
+    ids2, cents2, it2 = Q.kmeans(pts, init, iters=50, tol=1e-4)
+    obj = lambda i, c: float(((pts - Q.gather_centroids(c.float(), i)) ** 2).sum())  # noqa: E731
+    assert obj(ids2, cents2) == pytest.approx(obj(ids, cents), rel=1e-3) and it2 <= iters
+
+
+def test_empty_clusters_keep_their_centre_and_ties_go_low():
+    pts = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [4.0, 4.0]]])
+    init = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [5.0, 5.0]]], dtype=torch.bfloat16)  # duplicate centres: a tie
+    ids, cents, _ = Q.kmeans(pts, init, iters=1, tol=0.0)
+    assert ids.tolist() == [[0, 0, 2]]  # both zeros go to the lower of the tied centres
+    assert torch.equal(cents[0, 1], init[0, 1])  # centre 1 got no point: kept
+    assert cents[0, 2].tolist() == [4.0, 4.0]
+
+
+def test_packing_layout_golden_vectors():
+    # The project's one layout (little-endian stream, mmkv.codecs.packing), not the release's MSB-first bytes
+    # (qvg.md §3.3): same byte count, codes in the opposite order within a byte.
+    assert pack_bits(torch.tensor([2, 1, 0, 2]), 2).tolist() == [0b10_00_01_10]
+    assert pack_bits(torch.tensor([14, 0]), 4).tolist() == [0x0E]
+
+
+def test_edge_blocks():
+    r = torch.randn(1, 4, 64, generator=gen(6))
+    r[0, 0, :32] = 0.0  # all-zero block
+    r[0, 1, 32:] = 1e-4 * r[0, 1, 32:].sign()  # tiny block: scale 1e-4 rounds to E4M3 0 -> stores the zero code
+    r[0, 2, :32] = 0.0
+    r[0, 2, 0] = 2.0**-6  # absmax on the normal/subnormal E4M3 edge: scale exactly 2^-6 (qmax 1)
+    r[0, 3, 32:] = 0.0
+    r[0, 3, 32] = 500.0  # beyond the E4M3 range: the scale clamps to 448 (not NaN), the value clamps to +qmax
+    codes, scales, _ = Q.quantize_residual(r, 2, 32)
+    back = Q.dequantize_residual(codes, scales, None, 2, 32)
+    assert scales[0, 0, 0].float() == 0 and (codes[0, 0, :32] == 1).all() and (back[0, 0, :32] == 0).all()
+    assert scales[0, 1, 1].float() == 0 and (codes[0, 1, 32:] == 1).all() and (back[0, 1, 32:] == 0).all()
+    assert scales[0, 2, 0].float() == 2.0**-6 and back[0, 2, 0] == 2.0**-6 and (back[0, 2, 1:32] == 0).all()
+    assert scales[0, 3, 1].float() == 448.0 and back[0, 3, 32] == 448.0 and torch.isfinite(back).all()
+    # tiny *residuals* under real centres: the whole span decodes to the centres, never NaN
+    codec = build("qvg:centroids=4,block=32", head_dim=64, num_heads=1)
+    x = torch.full((12, 64), 3.0)
+    x[::2] += 1e-5
+    y = codec.decode(codec.encode(x), torch.float32)
+    assert torch.isfinite(y).all() and (y - x).abs().max() < 1e-3
+
+
+def test_round_half_away_from_zero():
+    y = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 0.0, -0.0])
+    assert Q.round_half_away(y).tolist() == [1.0, -1.0, 2.0, -2.0, 3.0, 0.0, -0.0, 0.0, -0.0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Seeds, determinism, dtypes, errors
+
+
+def test_private_generator_determinism_and_seed_dependence():
+    x = kv_like((2, 2, 90, 32), seed=7)
+    state = torch.random.get_rng_state()
+    a = build("qvg:centroids=16,block=16", head_dim=32, num_heads=2, seed=3, layer=1).encode(x)
+    b = build("qvg:centroids=16,block=16", head_dim=32, num_heads=2, seed=3, layer=1).encode(x)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG never moves (qvg.md §2.4)
+    assert all(torch.equal(a.tensors[k].view(torch.uint8), b.tensors[k].view(torch.uint8)) for k in a.tensors)
+    c = build("qvg:centroids=16,block=16", head_dim=32, num_heads=2, seed=3, layer=2).encode(x)
+    assert not torch.equal(a.tensors["centroids"], c.tensors["centroids"])  # init drawn per (seed, layer, stage)
+
+
+def test_decode_casts_once_from_fp32():
+    x = kv_like((2, 40, 32), seed=8)
+    codec = build("qvg:bits=4,centroids=8,block=16", head_dim=32, num_heads=2)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert y.dtype == torch.bfloat16 and torch.equal(codec.decode(enc, torch.float32).to(torch.bfloat16), y)
+
+
+@pytest.mark.parametrize("preset, match", [
+    ("qvg:bits=3", "bits"), ("qvg:centroids=257", "centroids"), ("qvg:centroids=0", "centroids"),
+    ("qvg:block=0", "block"), ("qvg:stages=-1", "stages"), ("qvg:iters=0", "iters"), ("qvg:tol=2", "tol"),
+    ("qvg:asymmetric=2", "asymmetric"), ("qvg:span_units=-1", "span_units"),
+])
+def test_bad_parameters_are_refused(preset, match):
+    with pytest.raises(CodecError, match=match):
+        build(preset, head_dim=64)
+
+
+def test_empty_span_is_refused():
+    with pytest.raises(CodecError, match="at least one token"):
+        build("qvg", head_dim=64).encode(torch.zeros(0, 64))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (CPU), against the reference
+
+
+def _kernels():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET is not 1 and there is no GPU")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names = ["common", "packing", "qvg_assign", "qvg_encode", "qvg_decode"]
+    mods = {n: importlib.import_module(f"mmkv.kernels.{n}") for n in names}
+    if not isinstance(mods["qvg_assign"]._assign_kernel, InterpretedFunction):
+        mods = {n: importlib.reload(mods[n]) for n in names}  # imported before the variable was set
+    return mods
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernel tests skip
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_probe(v_ptr, val_ptr, bits_ptr, back_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        val, b = _E4M3_ROUND(tl.load(v_ptr + i))  # noqa: F821  (set by the test to the kernels' helpers)
+        tl.store(val_ptr + i, val)
+        tl.store(bits_ptr + i, b)
+        tl.store(back_ptr + i, _E4M3_VALUE(b))  # noqa: F821
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype, preset", [
+    (torch.bfloat16, "qvg:bits=2,centroids=16,block=16"),
+    (torch.float32, "qvg:bits=4,centroids=8,block=32,stages=2,asymmetric=true"),
+    (torch.float16, "qvg:bits=2,centroids=20,block=32,stages=0"),
+])
+def test_kernels_encode_and_decode_bit_identical_to_reference(dtype, preset):
+    k = _kernels()
+    codec = build(preset, head_dim=32, num_heads=3, seed=1, layer=2)
+    assert k["qvg_encode"].supports(codec)
+    x = kv_like((2, 3, 45, 32), seed=9, dtype=dtype)  # 45 tokens: a partial token block
+    ref, ker = codec._encode(x), k["qvg_encode"].encode(codec, x)
+    assert ref.tensors.keys() == ker.tensors.keys()
+    for key in ref.tensors:
+        assert _same(ref.tensors[key], ker.tensors[key]), key
+    ref.shape, ref.dtype, ref.codec = tuple(x.shape), dtype, str(codec.config)
+    for out in (dtype, torch.float32):
+        assert torch.equal(k["qvg_decode"].decode(codec, ref, out), codec._decode(ref).to(out))
+
+
+def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
+    k = _kernels()
+    pts = kv_like((2, 70, 64), seed=10, dtype=torch.float32)
+    cents = pts[:, ::5].to(torch.bfloat16) + 0.01
+    args = (pts, cents, Q.sq_norms(pts), Q.sq_norms(cents))
+    ids_k, ids_r = k["qvg_assign"].assign(*args), Q.assign_reference(*args)
+    assert (ids_k == ids_r).float().mean() >= 0.99  # only summation-order near-ties may differ
+    # E4M3 by hand (round to nearest even, subnormals, +-448) == torch's cast, both ways
+    globals().update(_E4M3_ROUND=k["qvg_encode"].e4m3_round, _E4M3_VALUE=k["qvg_decode"].e4m3_value)
+    v = (torch.randn(1024, generator=gen(12)) * torch.logspace(-5, 2.7, 1024)).clamp(-448, 448)
+    v[:8] = torch.tensor([0.0, -0.0, 448.0, -448.0, 2.0**-10, 1.5 * 2.0**-9, 2.0**-6, 240.0])
+    val, bits, back = torch.empty(1024), torch.empty(1024, dtype=torch.int32), torch.empty(1024)
+    _e4m3_probe[(1,)](v, val, bits, back, N=1024)
+    want = v.to(torch.float8_e4m3fn)
+    assert torch.equal(bits, want.view(torch.uint8).int()) and torch.equal(val, want.float())
+    assert torch.equal(back, want.float())
