@@ -311,10 +311,13 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
     return str(x)
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+def text_table(header: list[str], rows: list[list[str]], title: str = "") -> str:
+    """Pre-formatted cells through the project's one table writer (Markdown)."""
+    from mmkv.report.tables import Column, Table, to_markdown
+
+    cols = [Column(key=f"c{i}", header=(h,)) for i, h in enumerate(header)]
+    text = to_markdown(Table(name="audio", title=title, columns=cols, rows=[list(r) for r in rows]))
+    return text if title else text.split("\n", 2)[2]
 
 
 def clip_table(records: dict[str, dict[str, Any]], metrics: dict[str, dict[str, Any]]) -> str:
