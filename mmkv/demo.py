@@ -1,0 +1,328 @@
+"""`mmkv demo`: the whole harness offline on tiny random models, on a CPU, in a few minutes.
+
+    mmkv demo [--out runs/demo] [--seed 0] [--quick]
+
+1. Writes tiny randomly initialised checkpoints of the real architectures, in their original release formats, to
+   OUT/assets/: a base Wan2.1 directory (original layout: Wan2.1_VAE.pth, the umT5 encoder .pth, a tokenizer,
+   config.json), the DiT as a CausVid `model.pt` and as a Causal Forcing `framewise.pt`, AAR + SAT `.pth` containers,
+   a small random transformers CLAP directory (no CLAP weights exist offline), a few synthetic clips (chirp, chord,
+   noise bursts, clicks) and a prompt file picked from prompts/prompts.txt.
+2. Runs the real commands on them: `mmkv generate video` (CausVid chunk-wise and Causal Forcing frame-wise) and
+   `mmkv compare audio`, each with the reference (native cache) and identity plus four codecs at 2 and 4 bits.
+3. Runs `mmkv report` over all runs: tables (md, csv, json, latex), plots and the HTML gallery in OUT/report/.
+4. Prints where everything is and the headline tables.
+
+Every step goes through `mmkv.cli.main`, exactly as typed on the command line (each command's output is kept in
+OUT/logs/). A rerun resumes: assets are written once, finished rollouts are skipped, cached metrics are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmkv.cli import UsageError
+
+DEFAULT_OUT = "runs/demo"
+DEMO_VERSION = 1  # bump when the assets or the plan change, so old OUT folders are not mixed with new ones
+PROMPTS_FILE = Path(__file__).resolve().parent.parent / "prompts" / "prompts.txt"
+
+# identity (bit-exact with the reference: the metrics' ideal values) and four codecs at two bit widths.
+CODECS = ("identity", "octopus:b=2", "octopus:b=4", "oscar:bits=2", "oscar:bits=4", "turboquant-mse:b=2",
+          "turboquant-mse:b=4", "kivi:bits=2,group=32", "kivi:bits=4,group=32")
+QUICK_CODECS = ("identity", "octopus:b=2", "turboquant-mse:b=4", "kivi:bits=2,group=32")
+
+
+@dataclass(frozen=True)
+class VideoModel:
+    preset: str  # `mmkv generate video --model`
+    checkpoint: str  # key of `write_tiny_assets`' result
+    frames: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one demo mode runs. Sizes are chosen so the default finishes in about three minutes on two cores."""
+
+    mode: str
+    video: tuple[VideoModel, ...]
+    prompts: int
+    audio_model: str  # `mmkv.pipelines.aar.tiny` configuration
+    clips: int
+    codecs: tuple[str, ...]
+
+
+PLANS = {
+    "full": Plan("full", (VideoModel("causvid", "causvid", 33), VideoModel("causal-forcing-frame", "causal_forcing", 33)),
+                 prompts=4, audio_model="tiny", clips=4, codecs=CODECS),
+    "quick": Plan("quick", (VideoModel("causvid", "causvid", 33),), prompts=2, audio_model="tiny", clips=2,
+                  codecs=QUICK_CODECS),
+}
+
+# The tiny CLAP of audio.md §11.5: 512-d projection as in laion/larger_clap_general, tiny towers
+# (audio hidden = patch_embeds_hidden_size * 2**(stages - 1) = 128).
+TINY_CLAP_AUDIO = dict(patch_embeds_hidden_size=16, depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8],
+                       hidden_size=128, projection_dim=512)
+TINY_CLAP_TEXT = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=1,
+                      intermediate_size=16, projection_dim=512, max_position_embeddings=32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"demo folder: assets, runs, report, logs (default {DEFAULT_OUT}; reruns resume)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny models, clips and rollout noise")
+    parser.add_argument("--quick", action="store_true",
+                        help="even smaller (one video model, two prompts, two clips, four codecs): for tests")
+    parser.add_argument("--prompts", default=str(PROMPTS_FILE), metavar="FILE",
+                        help="prompt file to pick the demo prompts from (default: the repository's "
+                             "prompts/prompts.txt)")
+    parser.add_argument("--lpips", choices=("auto", "alexnet", "random", "off"), default="auto",
+                        help="LPIPS trunk for the report: auto = torchvision's ImageNet AlexNet when it is in the "
+                             "torch hub cache, else a seeded random trunk (marked †, not LPIPS)")
+    parser.add_argument("--device", default=None, help="torch device (default: GPU if present, else CPU)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Assets
+
+
+def _pick_prompts(path: str | Path, n: int) -> list[str]:
+    """n prompts spread evenly over the file, so the demo sees several kinds of motion (the file is grouped by
+    kind)."""
+    from mmkv.pipelines.common import read_prompts
+
+    if not Path(path).is_file():
+        raise UsageError(f"prompt file {path} not found; pass --prompts FILE (one prompt per line)")
+    prompts = read_prompts(path)
+    idx = np.linspace(0, len(prompts) - 1, num=min(n, len(prompts))).round().astype(int)
+    return [prompts[i] for i in dict.fromkeys(idx.tolist())]
+
+
+def synthetic_clips(seed: int, n: int) -> list[tuple[str, np.ndarray, int]]:
+    """(name, samples [N] or [N, C] float32 in [-1, 1], sample rate): a log chirp, a tremolo chord (stereo),
+    band-limited noise bursts and decaying clicks, at the sample rates clips come in, 2-3 s each. Random parts draw
+    from a numpy Generator seeded by `seed` (never a global RNG)."""
+    rng = np.random.default_rng([seed, 0x6D6D6B76])
+    clips = []
+
+    sr = 48_000
+    t = np.arange(int(3.0 * sr)) / sr
+    f0, f1 = 80.0, 8_000.0
+    phase = 2 * np.pi * f0 * 3.0 / np.log(f1 / f0) * (np.exp(t / 3.0 * np.log(f1 / f0)) - 1)
+    clips.append(("chirp", 0.4 * np.sin(phase), sr))
+
+    sr = 44_100
+    t = np.arange(int(2.5 * sr)) / sr
+    chord = sum(np.sin(2 * np.pi * f * t) for f in (220.0, 277.18, 329.63)) / 3
+    trem = 0.5 + 0.5 * np.sin(2 * np.pi * 4.0 * t)
+    clips.append(("chord", 0.5 * np.stack([chord * trem, chord * (1 - 0.5 * trem)], axis=1), sr))
+
+    sr = 16_000
+    t = np.arange(int(2.0 * sr)) / sr
+    noise = np.convolve(rng.standard_normal(t.size), np.hanning(9) / np.hanning(9).sum(), mode="same")
+    gate = (np.sin(2 * np.pi * 3.0 * t) > 0.3).astype(np.float64)
+    clips.append(("noise_bursts", 0.8 * noise * gate, sr))
+
+    sr = 22_050
+    t = np.arange(int(2.0 * sr)) / sr
+    clicks = np.zeros_like(t)
+    for onset in np.sort(rng.uniform(0, 1.8, size=8)):
+        k = t >= onset
+        clicks[k] += np.exp(-(t[k] - onset) * 40.0) * np.sin(2 * np.pi * rng.uniform(150, 600) * (t[k] - onset))
+    clips.append(("clicks", 0.9 * clicks / np.abs(clicks).max(), sr))
+
+    return [(name, np.clip(x, -1, 1).astype(np.float32), sr) for name, x, sr in clips[:n]]
+
+
+def write_tiny_clap(directory: str | Path, seed: int = 0) -> Path:
+    """A random transformers `ClapModel` with a 512-d projection, saved like laion/larger_clap_general together with
+    its feature extractor (audio.md §11.5). Weights are drawn from a private generator."""
+    import torch
+    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
+
+    from mmkv.pipelines.wan.tiny import reinit_
+
+    with torch.random.fork_rng(devices=[]):  # transformers initialises from the global RNG: leave it untouched
+        model = ClapModel(ClapConfig(text_config=TINY_CLAP_TEXT, audio_config=TINY_CLAP_AUDIO, projection_dim=512))
+    reinit_(model, seed, "clap").eval()
+    d = Path(directory)
+    model.save_pretrained(d)
+    # larger_clap_general's preprocessor: rand_trunc + repeatpad (the CLI truncates first, so rand_trunc never runs)
+    ClapFeatureExtractor(truncation="rand_trunc", padding="repeatpad").save_pretrained(d)
+    return d
+
+
+def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path) -> dict[str, Any]:
+    """Write every input of the demo under `root` (skipped when root/assets.json says it is complete) and return
+    the paths, as written to assets.json (last, atomically)."""
+    import soundfile as sf
+
+    from mmkv.pipelines.aar.tiny import write_tiny_checkpoints
+    from mmkv.pipelines.common import atomic_path, atomic_write_json, atomic_write_text, read_json
+    from mmkv.pipelines.wan.tiny import write_tiny_assets
+
+    marker = root / "assets.json"
+    identity = {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed}
+    if marker.is_file():
+        done = read_json(marker)
+        if {k: done.get(k) for k in identity} == identity and all(Path(p).exists() for p in _paths(done)):
+            return done
+    prompts = _pick_prompts(prompts_file, plan.prompts)
+    video = write_tiny_assets(root / "wan", layout="original", seed=seed)
+    aar, sat = write_tiny_checkpoints(root / "aar", plan.audio_model, seed=seed)
+    clap = write_tiny_clap(root / "clap", seed)
+    clips_dir = root / "clips"
+    clips = []
+    for name, samples, sr in synthetic_clips(seed, plan.clips):
+        path = clips_dir / f"{name}.wav"
+        with atomic_path(path) as tmp:
+            sf.write(str(tmp), samples, sr, subtype="PCM_16", format="WAV")
+        clips.append(str(path))
+    prompt_path = atomic_write_text(root / "prompts.txt", "".join(p + "\n" for p in prompts))
+    assets = {**identity, "prompts_source": str(prompts_file), "prompts": str(prompt_path),
+              "wan_base": str(video["base"]), "causvid": str(video["causvid"]),
+              "causal_forcing": str(video["causal_forcing"]), "aar_dir": str(aar.parent), "aar": str(aar),
+              "sat": str(sat), "clap": str(clap), "clips_dir": str(clips_dir), "clips": clips}
+    atomic_write_json(marker, assets)
+    return assets
+
+
+def _paths(assets: dict[str, Any]) -> list[str]:
+    keys = ("prompts", "wan_base", "causvid", "causal_forcing", "aar", "sat", "clap")
+    return [assets[k] for k in keys if k in assets] + list(assets.get("clips", []))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the commands
+
+
+def _mmkv(argv: list[str], log: Path, *, step: str) -> float:
+    """`mmkv ARGV` in this process, its stdout kept in `log` (progress bars stay on stderr); seconds taken."""
+    from mmkv.cli import main
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as f:
+        f.write("$ mmkv " + shlex.join(argv) + "\n\n")
+        f.flush()
+        with contextlib.redirect_stdout(f):
+            rc = main(argv)
+    seconds = time.perf_counter() - t0
+    if rc != 0:
+        tail = "".join(log.read_text(encoding="utf-8").splitlines(keepends=True)[-20:])
+        raise UsageError(f"step '{step}' failed (exit {rc}): mmkv {shlex.join(argv)}\n--- end of {log} ---\n{tail}")
+    print(f"  {step:<34} {seconds:6.1f} s   (log: {log})", flush=True)
+    return seconds
+
+
+def _lpips_mode(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from mmkv.metrics import default_alexnet_path
+
+    return "alexnet" if default_alexnet_path().is_file() else "random"
+
+
+def _check_identity(out: Path, plan: Plan, seed: int) -> None:
+    """One demo folder holds one (mode, seed): resuming with other settings would mix incomparable runs."""
+    from mmkv.pipelines.common import atomic_write_json, read_json
+
+    path = out / "demo.json"
+    want = {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed}
+    if path.is_file():
+        have = read_json(path)
+        have = {k: have.get(k) for k in want} if isinstance(have, dict) else have
+        if have != want:
+            raise UsageError(f"{out} holds a demo made with {have}; this command asks for {want}. Use another --out "
+                             "(or the same options to resume)")
+    else:
+        atomic_write_json(path, want)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = PLANS["quick" if args.quick else "full"]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    _check_identity(out, plan, args.seed)
+    lpips = _lpips_mode(args.lpips)
+    device = ["--device", args.device] if args.device else []
+    logs = out / "logs"
+    codecs = ",".join(plan.codecs)
+    t_start = time.perf_counter()
+    print(f"mmkv demo ({plan.mode}): tiny random models, reference + {len(plan.codecs)} codecs, into {out}/",
+          flush=True)
+
+    t0 = time.perf_counter()
+    assets = write_assets(out / "assets", plan, args.seed, args.prompts)
+    print(f"  {'assets':<34} {time.perf_counter() - t0:6.1f} s   ({out / 'assets'})", flush=True)
+
+    video_runs = []
+    for vm in plan.video:
+        run_dir = out / "runs" / vm.preset
+        # TINY_VIDEO's grid: 33 x 32 x 48 pixels -> 9 x 4 x 6 latents (pipelines/wan/tiny.py)
+        _mmkv(["generate", "video", "--model", vm.preset, "--ckpt", assets[vm.checkpoint], "--base",
+               assets["wan_base"], "--prompts", assets["prompts"], "--codecs", codecs, "--frames", str(vm.frames),
+               "--height", "32", "--width", "48", "--seed", str(args.seed), "--out", str(run_dir), *device],
+              logs / f"generate_video_{vm.preset}.log", step=f"generate video --model {vm.preset}")
+        video_runs.append(run_dir)
+    audio_run = out / "runs" / "audio"
+    _mmkv(["compare", "audio", "--aar", assets["aar_dir"], "--clap", assets["clap"], "--clips", assets["clips_dir"],
+           "--codecs", codecs, "--seed", str(args.seed), "--out", str(audio_run), *device],
+          logs / "compare_audio.log", step="compare audio")
+    runs = [str(r) for r in [*video_runs, audio_run]]
+
+    report = out / "report"
+    common = ["--lpips", lpips, *device]
+    _mmkv(["report", *runs, "--format", "md,csv,json,latex,html", "--out", str(report), *common],
+          logs / "report.log", step="report (tables, plots, gallery)")
+    # Headline: one Markdown table per modality, from the metrics the report just cached beside each rollout.
+    headlines = []
+    for name, group in (("video", [str(r) for r in video_runs]), ("audio", [str(audio_run)])):
+        log = logs / f"headline_{name}.log"
+        _mmkv(["report", *group, "--format", "md", "--no-plots", *common], log, step=f"headline table ({name})")
+        headlines.append(_strip_log_header(log.read_text(encoding="utf-8")))
+    total = time.perf_counter() - t_start
+
+    print(_where(out, assets, video_runs, audio_run, report, lpips, total))
+    for text in headlines:
+        print(text.rstrip() + "\n")
+    return 0
+
+
+def _strip_log_header(text: str) -> str:
+    return text.split("\n\n", 1)[1] if text.startswith("$ mmkv ") else text
+
+
+def _where(out: Path, assets: dict[str, Any], video_runs: list[Path], audio_run: Path, report: Path, lpips: str,
+           total: float) -> str:
+    plots = sorted((report / "plots").glob("*.png"))
+    lines = [
+        "",
+        f"done in {total:.0f} s. Everything is under {out}/:",
+        f"  gallery      {report / 'index.html'}   (open in a browser: players, stills, tables, plots)",
+        f"  tables       {report}/table.{{md,csv,json,tex}}, windows.*, rollouts.csv, frames.csv",
+        f"  plots        {report / 'plots'}/ ({len(plots)} PNG: rate-quality and per-frame curves)",
+        *[f"  video run    {r}/rollouts/<prompt>/<variant>/{{video.mp4, frames.npy, latents.safetensors}}"
+          for r in video_runs],
+        f"  audio run    {audio_run}/rollouts/<clip>/<variant>/{{audio.wav, tokens, latent}}",
+        f"  assets       {out / 'assets'}/ (tiny random checkpoints in release formats, CLAP, clips, prompts)",
+        f"  logs         {out / 'logs'}/",
+        "",
+        "Tiny RANDOM models: the numbers show the harness works, not how good a codec is on the real models.",
+    ]
+    if lpips == "random":
+        lines.append("LPIPS† uses a seeded random AlexNet trunk (no ImageNet weights in the torch hub cache): not LPIPS.")
+    lines.append(f"Rerun `mmkv report {' '.join(str(r) for r in [*video_runs, audio_run])}` for other formats.")
+    lines.append("")
+    return "\n".join(lines)
