@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,14 +11,27 @@ import torch
 import torch.nn.functional as F
 
 import mmkv.codecs as codecs
-from mmkv.cache import CacheConfig, KVCacheError, KVStore
+from mmkv.cache import CacheConfig, Geometry, KVCacheError, KVStore, fit_attention_window, simulate_peak_nbytes
 from mmkv.codecs.base import _REGISTRY, Codec, Encoded, build, get_codec_class, kv_configs, register
 
 L, H, D = 3, 2, 32
 BATCH = 2  # like AAR's cond/uncond rows
 UNIT = 4  # tokens per unit
 VALUE_GROUP = 16
-ALL_CODECS = codecs.names()
+# Every registered codec, at a preset sized for these 4-token units: a span codec amortises a per-span codebook over
+# the span (QVG's default 256 bf16 centres cost 256 * 16 / N bits a value, qvg.md §5.1), which 4-12-token test
+# spans cannot; its default preset is covered at realistic span lengths in test_codec_qvg.py.
+SMALL_SPAN_PRESETS = {"qvg": "qvg:centroids=2,block=16"}
+ALL_CODECS = [SMALL_SPAN_PRESETS.get(name, name) for name in codecs.names()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny tensors: intra-op threads only add synchronisation (and the CI machine has two cores)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def rand(gen: torch.Generator, tokens: int, dtype=torch.float32, batch: int = BATCH) -> torch.Tensor:
@@ -385,6 +399,99 @@ def test_span_units_wait_native_and_rolling_window_trims_spans(span_codec):
     assert store.bf16_nbytes() == 2 * 2 * BATCH * H * D * 4 * UNIT
 
 
+def test_qvg_spans_keep_protected_units_native_and_never_straddle_sinks():
+    gen = torch.Generator().manual_seed(15)
+    preset = "qvg:centroids=2,block=16"
+    store = store_for(preset, residual_window=1, protected_units=2, attention_window=5, sink_units=3)
+    ks = []
+    for n in (3, 3, 3):
+        k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
+        store.append(0, k, v, n)
+        ks += list(k.split(UNIT, dim=2))
+    segs = store.segments(0)
+    # units 0, 1 protected (native, bit-identical), unit 8 native in the residual window
+    assert [s.encoded for s in segs[:2]] == [False, False]
+    assert torch.equal(segs[0].k, ks[0]) and torch.equal(segs[1].k, ks[1])
+    spans = [(s.k_enc.shape[2] // UNIT, s.skip_tokens // UNIT) for s in segs if s.encoded]
+    # the commit of units 2-4 split at the sink boundary: {2} (a sink, never evicted) and {3, 4}, whose unit 3 the
+    # window has since evicted (hidden, still held for unit 4, qvg.md §4.1); then the commit span {5, 6, 7}
+    assert spans == [(1, 0), (2, 1), (3, 0)] and store.encoded_units(0) == [2, 3, 4, 5, 6, 7]
+    assert store.num_units(0) == 3 + 5 and torch.equal(store.past(0)[0][:, :, -UNIT:], ks[-1])
+
+
+@pytest.mark.parametrize("codec, sinks", [(None, 1), ("groupquant:bits=2,group=16", 1), ("qvg:centroids=2,block=16", 0)])
+def test_rolling_window_as_long_as_the_rollout_is_the_global_cache(codec, sinks):
+    # (a span codec with sinks splits its spans at the sink boundary, see the test above, so it is compared without)
+    gen = torch.Generator().manual_seed(16)
+    data = [(rand(gen, UNIT * n), rand(gen, UNIT * n), n) for n in commit_schedule()]
+    total = sum(commit_schedule())
+    full, rolling = store_for(codec), store_for(codec, attention_window=total, sink_units=sinks)
+    q = rand(gen, 3)
+    for k, v, n in data:
+        for s in (full, rolling):
+            s.append(0, k, v, n)
+        assert torch.equal(full.attend(0, q, k, v), rolling.attend(0, q, k, v))
+    assert rolling.stats()["evicted_units_per_layer"][0] == 0 and rolling.nbytes() == full.nbytes()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Equal-memory planning
+
+
+def _rollout_peak(cfg: CacheConfig, schedule, seed: int) -> int:
+    gen = torch.Generator().manual_seed(seed)
+    store = KVStore(cfg, num_layers=L, num_heads=H, head_dim=D)
+    for n in schedule:
+        for layer in range(L):
+            store.append(layer, rand(gen, UNIT * n, torch.bfloat16), rand(gen, UNIT * n, torch.bfloat16), n)
+    return store.peak_nbytes
+
+
+@pytest.mark.parametrize("codec", [None, "identity", "groupquant:bits=2,group=16", "qvg:centroids=2,block=16",
+                                   "octopus:b=2"])
+@pytest.mark.parametrize("window, sinks, protected", [(None, 0, 0), (4, 0, 0), (3, 2, 2)])
+def test_simulated_peak_equals_the_real_rollouts_and_stays_flat_with_a_window(codec, window, sinks, protected):
+    cfg = CacheConfig(codec=codec, value_group=VALUE_GROUP, attention_window=window, sink_units=sinks,
+                      protected_units=protected)
+    peaks = []
+    for blocks in (3, 6, 9):
+        schedule = (3,) * blocks
+        real = _rollout_peak(cfg, schedule, seed=blocks)
+        geometry = Geometry(L, H, D, UNIT, schedule, batch=BATCH, dtype=torch.bfloat16)
+        assert simulate_peak_nbytes(cfg, geometry) == real
+        peaks.append(real)
+    if window is None:
+        assert peaks[0] < peaks[1] < peaks[2]  # a global cache grows with the rollout
+    else:
+        assert peaks[1] == peaks[2]  # a rolling window: flat once it is full
+
+
+def test_fit_attention_window_gives_each_codec_the_longest_window_in_the_budget():
+    schedule = (3,) * 8
+    geometry = Geometry(L, H, D, UNIT, schedule, batch=BATCH, dtype=torch.bfloat16)
+    per_unit = 2 * 2 * BATCH * H * D * UNIT * L  # bf16 K + V of one unit over all layers
+    budget = 4 * per_unit
+    windows = {}
+    state = torch.get_rng_state()
+    for codec in (None, "groupquant:bits=4,group=16", "groupquant:bits=2,group=16"):
+        cfg = CacheConfig(codec=codec, value_group=VALUE_GROUP)
+        fit = fit_attention_window(cfg, geometry, budget, sink_units=1)
+        assert fit.attention_window is not None and fit.peak_nbytes <= budget
+        fitted = dataclasses.replace(cfg, attention_window=fit.attention_window, sink_units=1)
+        real = _rollout_peak(fitted, schedule, 1)
+        assert real == fit.peak_nbytes <= budget  # measured bytes never exceed the budget
+        longer = dataclasses.replace(fitted, attention_window=fit.attention_window + 1)
+        assert _rollout_peak(longer, schedule, 1) > budget  # and one more unit would
+        windows[codec] = fit.attention_window
+    assert torch.equal(torch.get_rng_state(), state)
+    assert windows[None] == 4 - 1  # native: 4 units of budget, one of them the sink
+    assert windows[None] < windows["groupquant:bits=4,group=16"] < windows["groupquant:bits=2,group=16"]
+    # the whole rollout fits: global attention
+    assert fit_attention_window(CacheConfig(codec=None), geometry, 24 * per_unit).attention_window is None
+    with pytest.raises(KVCacheError, match="smallest rolling window"):
+        fit_attention_window(CacheConfig(codec=None), geometry, per_unit, sink_units=1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Errors
 
@@ -438,7 +545,7 @@ def test_failed_encode_leaves_the_store_unchanged():
 
 
 def test_codec_whose_head_dim_the_layer_lacks():
-    pow2 = [n for n in ALL_CODECS if get_codec_class(n).requires_pow2]
+    pow2 = [n for n in codecs.names() if get_codec_class(n).requires_pow2]
     assert pow2, "expected at least one codec with a Walsh-Hadamard rotation"
     with pytest.raises(KVCacheError, match=r"layer 0 .*head_dim=48.*power-of-two"):
         KVStore(CacheConfig(codec=pow2[0]), num_layers=2, num_heads=H, head_dim=48)
