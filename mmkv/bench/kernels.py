@@ -56,10 +56,10 @@ FIELDS = ("case", "codec", "config", "shape", "ms", "baseline_ms", "ratio", "gbp
 
 # Kernel settings tried by --sweep at the largest decode Lk: (num_warps, block_n, splits multiplier).
 SWEEP = {
-    "kivi": [(1, None, 1), (4, None, 1), (2, None, 2)],
-    "oscar": [(1, None, 1), (4, None, 1), (2, None, 2)],
-    "turboquant-mse": [(4, 32, 1), (2, 32, 1), (4, 64, 2)],
-    "octopus": [(2, 32, 1), (8, 64, 1), (4, 32, 2)],
+    "kivi": [(1, None, 1), (4, None, 1)],
+    "oscar": [(1, None, 1)],
+    "turboquant-mse": [(4, 32, 1), (4, 64, 2)],
+    "octopus": [(8, 64, 1), (2, 32, 1)],
 }
 
 
