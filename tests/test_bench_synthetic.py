@@ -166,3 +166,14 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "unknown codec 'nosuchcodec'" in capsys.readouterr().err
     assert main(["bench", "synthetic", "--seeds", "0"]) == 2
     assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_a_bit_width_a_codec_lacks_is_skipped_with_a_note():
+    notes: list[str] = []
+    p = syn.Protocol(dim=64, seeds=1, keys=64)
+    rows = syn.run_protocol(p, ["qvg", "turboquant-mse"], [3], needle=False, sweep=False, iso_rate=False, notes=notes)
+    assert [r["codec"] for r in rows] == ["turboquant-mse"]
+    assert len(notes) == 1 and "qvg" in notes[0] and "unsupported bits=3" in notes[0]
+    assert "unsupported bits=3" in syn.render_markdown(rows, p, notes=notes)
+    with pytest.raises(syn.CodecError):  # an explicit preset is the user's: no silent skip
+        syn.run_protocol(p, ["qvg:bits=3"], [3], needle=False, sweep=False, iso_rate=False)

@@ -54,6 +54,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "kivi": ("kivi:bits={b},group=32",),
     "oscar": ("oscar:bits={b},group=32",),
     "groupquant": ("groupquant:bits={b},group=32",),
+    # QVG (a span codec) at its released per-chunk setting; the probe's 1024 (2049) keys per seed form one span.
+    "qvg": ("qvg:bits={b}",),
 }
 
 ROW_FIELDS = (
@@ -327,9 +329,26 @@ def _row(section: str, cfg: CodecConfig, bits: int | None, p: Protocol, **extra:
 
 
 def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: bool = True, sweep: bool = True,
-                 iso_rate: bool = True, log=None) -> list[dict]:
-    """Every row of the benchmark as a list of dicts (fields `ROW_FIELDS`)."""
+                 iso_rate: bool = True, log=None, notes: list[str] | None = None) -> list[dict]:
+    """Every row of the benchmark as a list of dicts (fields `ROW_FIELDS`). A codec named (not given as a preset)
+    that rejects one of the bit widths or the head dim (QVG has only 2 and 4 bits) is skipped there, with a line
+    appended to `notes`."""
     log = log or (lambda msg: None)
+    notes = notes if notes is not None else []
+    # Resolve every codec config before drawing data, so a bad name or preset fails at once.
+    table1: list[tuple[int | None, CodecConfig]] = []
+    for name in codecs:
+        for b, cfg in configs_for(name, bits):
+            try:
+                build(cfg, head_dim=p.dim)
+            except CodecError as err:
+                if ":" in name:  # an explicit preset is the user's: no silent skip
+                    raise
+                notes.append(f"skipped {cfg} at d={p.dim}: {err}")
+                log(f"  {notes[-1]}")
+                continue
+            table1.append((b, cfg))
+
     keys, queries = reconstruction_data(p)
     nk = nq = npos = None
     if needle:
@@ -361,11 +380,10 @@ def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: boo
                      "seeds": p.seeds, "needle_seeds": p.needle_seeds})
 
     octopus_points: list[tuple[int, dict]] = []
-    for name in codecs:
-        for b, cfg in configs_for(name, bits):
-            row = measure("table1", cfg, b, needle)
-            if cfg.name == "octopus" and not cfg.get("joint", False):
-                octopus_points.append((b, row))
+    for b, cfg in table1:
+        row = measure("table1", cfg, b, needle)
+        if cfg.name == "octopus" and not cfg.get("joint", False):
+            octopus_points.append((b, row))
 
     if sweep and "octopus" in names():
         for b in bits:
@@ -404,7 +422,7 @@ def _table(name: str, title: str, rows: list[dict], shown: list[str], notes: lis
     return Table(name, title, columns, [[r.get(f) for f in fields] for r in rows], notes=list(notes or []))
 
 
-def tables(rows: list[dict], p: Protocol) -> list:
+def tables(rows: list[dict], p: Protocol, notes: list[str] | None = None) -> list:
     """The report tables (`mmkv.report.tables.Table`): matched nominal b, the App. D sweep, the iso-rate rows."""
     main = ["codec", "config", "bits", "effective_bits", "mse", "cosine", "ip_error", "needle_mass"]
     t1 = sorted((r for r in rows if r["section"] == "table1"),
@@ -413,7 +431,8 @@ def tables(rows: list[dict], p: Protocol) -> list:
         "synthetic", f"Synthetic probe (OCTOPUS 4.1), d={p.dim}: {p.keys} N(0,I) keys x {p.queries} queries x "
         f"{p.seeds} seeds; needle: 1 in T={p.needle_tokens} distractors x {p.needle_seeds} seeds", t1, main,
         ["eff. bits: measured from the stored bytes, side information included.",
-         "IP error: mean |q.k - score| with the codec's own estimator; needle: softmax mass on the needle."])]
+         "IP error: mean |q.k - score| with the codec's own estimator; needle: softmax mass on the needle."]
+        + list(notes or []))]
     sw = [r for r in rows if r["section"] == "sweep"]
     if sw:
         out.append(_table("synthetic_sweep", "OCTOPUS bit-allocation sweep (App. D): (b_dir, b_nrm) = (b+δ, b-δ), "
@@ -427,10 +446,10 @@ def tables(rows: list[dict], p: Protocol) -> list:
     return out
 
 
-def render_markdown(rows: list[dict], p: Protocol, seconds: float | None = None) -> str:
+def render_markdown(rows: list[dict], p: Protocol, seconds: float | None = None, notes: list[str] | None = None) -> str:
     from mmkv.report.tables import to_markdown
 
-    text = "\n".join(to_markdown(t) for t in tables(rows, p))
+    text = "\n".join(to_markdown(t) for t in tables(rows, p, notes))
     if seconds is not None:
         text += f"\nRuntime: {seconds:.1f} s\n"
     return text
@@ -565,11 +584,12 @@ def run(args: argparse.Namespace) -> int:
     codecs = _codec_list(args.codecs)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
+    notes: list[str] = []
     rows = run_protocol(p, codecs, list(args.bits), needle=not args.no_needle,
                         sweep=not args.no_sweep and (args.codecs is None or "octopus" in codecs),
-                        iso_rate=not args.no_iso_rate, log=log)
+                        iso_rate=not args.no_iso_rate, log=log, notes=notes)
     seconds = time.perf_counter() - t0
-    sys.stdout.write(render_markdown(rows, p, seconds))
+    sys.stdout.write(render_markdown(rows, p, seconds, notes))
     if args.json:
         write_json(rows, args.json)
     if args.csv:
