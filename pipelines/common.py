@@ -298,6 +298,26 @@ def parse_codec_list(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Sizes
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {"": 2**30, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+               "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """Bytes from `2GiB`, `512MiB`, `1.5` (GiB when no unit), `48KiB`, `3e9B`; floors to a whole byte."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise RunError(f"{what} {text!r} is not a size; expected e.g. 2GiB, 512MiB, 48KiB or a number of GiB")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise RunError(f"{what} {text!r} is less than one byte")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # torchrun sharding
 
 

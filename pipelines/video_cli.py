@@ -3,6 +3,12 @@
     mmkv generate video --model causvid --ckpt CKPT --base WAN_DIR --prompts prompts/prompts.txt \
         --codecs octopus:b=3,kivi:bits=2,group=32 --residual-window 1 --seed 0 --out runs/causvid
 
+Long videos (video.md §3.4): `--window W --sink S` rolls Self-Forcing's window (`local_attn_size` W latent frames
+of K/V, the block being generated and S sink frames included; older frames are evicted) for rollouts longer than the
+training length. Equal memory: `--kv-budget 2GiB` gives every codec the longest window whose measured peak KV bytes
+fit the budget (planned by `mmkv.cache.fit_attention_window` before anything is loaded, checked after each rollout);
+the reference keeps `--window` (global when absent).
+
 Per (prompt, variant) it writes RUN/rollouts/pNNNN/<variant>/{frames.npy, latents.safetensors, video.mp4} and last,
 atomically, rollout.json; a rerun skips complete rollouts. Under torchrun each rank takes prompts i with
 i % WORLD_SIZE == RANK and writes its own RUN/manifest.rank{R}.json. The reference and every codec of a prompt draw
@@ -12,6 +18,7 @@ identical noise from a private generator seeded by (seed, prompt index); its SHA
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -20,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmkv.cache import KVCacheError
 from mmkv.pipelines.common import (
     REFERENCE, CodecSpec, NoiseStream, RunError, RunFolder, atomic_path, atomic_save_npy, atomic_save_safetensors,
-    item_name, local_device, parse_codec_list, progress, rank_info, read_prompts, shard, versions,
+    item_name, local_device, parse_codec_list, parse_size, progress, rank_info, read_prompts, shard, versions,
 )
 from mmkv.pipelines.wan.loop import PRESETS, get_preset
 
@@ -30,7 +38,7 @@ FPS = 16  # CausVid / Causal Forcing export rate (video.md §7)
 FILES = {"frames": "frames.npy", "latents": "latents.safetensors", "video": "video.mp4"}
 # Settings that must not change when resuming into an existing run folder.
 IDENTITY_KEYS = ("model", "seed", "residual_window", "frames", "height", "width", "value_group", "codec_seed",
-                 "prompts_sha256", "protected_layers", "protected_units")
+                 "prompts_sha256", "protected_layers", "protected_units", "window", "sink", "kv_budget_bytes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers whose cache stays native (comma-separated, negative from the end)")
     parser.add_argument("--protected-units", type=int, default=0, metavar="N",
                         help="first N latent frames of every rollout kept native")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="rolling attention window in latent frames, Self-Forcing's local_attn_size: the block "
+                             "being generated and the sink frames included (default: global attention)")
+    parser.add_argument("--sink", type=int, default=0, metavar="S",
+                        help="first S latent frames never evicted by the rolling window (Self-Forcing sink_size); "
+                             "they are encoded like any frame unless --protected-units keeps them native")
+    parser.add_argument("--kv-budget", default=None, metavar="SIZE",
+                        help="equal-memory mode: each codec gets the longest window whose measured peak KV bytes fit "
+                             "SIZE (e.g. 2GiB, 512MiB; a bare number is GiB); the reference keeps --window")
     parser.add_argument("--seed", type=int, default=0, help="noise seed; prompt i draws from (seed, i)")
     parser.add_argument("--codec-seed", type=int, default=0, help="seed of codec randomness (rotations)")
     parser.add_argument("--frames", type=int, default=81, help="pixel frames, 1 + 4k (default 81 = 21 latent)")
@@ -72,9 +89,20 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], str, list[CodecSpec]
     list, codecs)."""
     from mmkv.pipelines.wan.loaders import detect_layout, find_checkpoint
 
-    get_preset(args.model)
+    preset = get_preset(args.model)
     if args.residual_window < 0:
         raise RunError(f"--residual-window must be >= 0, got {args.residual_window}")
+    if args.sink < 0:
+        raise RunError(f"--sink must be >= 0 latent frames, got {args.sink}")
+    if args.sink and args.window is None and args.kv_budget is None:
+        raise RunError("--sink needs a rolling window: give --window or --kv-budget (or keep frames native with "
+                       "--protected-units)")
+    if args.window is not None:
+        fpb = preset.frames_per_block
+        if args.window < fpb + args.sink + 1:
+            raise RunError(f"--window {args.window} must be at least {fpb + args.sink + 1} latent frames: the "
+                           f"{fpb}-frame block being generated, {args.sink} sink frame(s) and one past frame")
+    args.kv_budget_bytes = None if args.kv_budget is None else parse_size(args.kv_budget, what="--kv-budget")
     prompts = read_prompts(args.prompts)
     # Hash the whole list, so `--max-prompts 2` now and a full run later resume into the same folder.
     prompts_sha = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
@@ -88,16 +116,63 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], str, list[CodecSpec]
     return prompts, prompts_sha, codecs
 
 
-def _check_shapes(args: argparse.Namespace) -> None:
+def _check_shapes(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the resolution against the base config; return the KV geometry the planner needs."""
     from mmkv.pipelines.wan.loaders import base_vae_factors, detect_layout, read_dit_config
     from mmkv.pipelines.wan.pipeline import make_grid
 
     base = Path(args.base)
     cfg = read_dit_config(base, detect_layout(base))
     t_factor, s_factor = base_vae_factors(base)
-    make_grid(args.frames, args.height, args.width, t_factor=t_factor, s_factor=s_factor,
-              patch_size=cfg["patch_size"], frames_per_block=get_preset(args.model).frames_per_block,
-              rope_max_seq_len=cfg.get("rope_max_seq_len", 1024))
+    grid = make_grid(args.frames, args.height, args.width, t_factor=t_factor, s_factor=s_factor,
+                     patch_size=cfg["patch_size"], frames_per_block=get_preset(args.model).frames_per_block,
+                     rope_max_seq_len=cfg.get("rope_max_seq_len", 1024))
+    return {"num_layers": cfg["num_layers"], "num_heads": cfg["num_attention_heads"],
+            "head_dim": cfg["attention_head_dim"], "tokens_per_frame": grid.tokens_per_frame,
+            "latent_frames": grid.latent_frames}
+
+
+def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: tuple[int, ...],
+                  shape: dict[str, Any], device: torch.device) -> dict[str, dict[str, Any]]:
+    """The window of every variant, in the store's units and in Self-Forcing's, with its planned peak KV bytes.
+
+    Without a budget every variant rolls `--window` (or attends globally). With one, each codec gets the longest
+    window whose simulated peak fits (`mmkv.cache.fit_attention_window`, codec bytes measured on `device`); the
+    reference keeps `--window` and reports whether it fits.
+    """
+    from mmkv.cache import CacheConfig, Geometry, fit_attention_window, simulate_peak_nbytes
+    from mmkv.pipelines.wan.loaders import default_device_dtype
+    from mmkv.pipelines.wan.pipeline import local_attn_size, store_window
+
+    fpb = get_preset(args.model).frames_per_block
+    _, dtype = default_device_dtype(device)
+    geometry = Geometry(shape["num_layers"], shape["num_heads"], shape["head_dim"], shape["tokens_per_frame"],
+                        (fpb,) * (shape["latent_frames"] // fpb), batch=1, dtype=dtype)
+    fixed = store_window(args.window, args.sink, fpb)
+    memo: dict = {}
+    budget = args.kv_budget_bytes
+    plans: dict[str, dict[str, Any]] = {}
+    for spec in [None, *codecs]:
+        cfg = CacheConfig(codec=None if spec is None else spec.preset, value_group=args.value_group,
+                          residual_window=args.residual_window, protected_layers=protected,
+                          protected_units=args.protected_units, seed=args.codec_seed)
+        if budget is None or spec is None:
+            window = fixed
+            rolled = dataclasses.replace(cfg, attention_window=window, sink_units=args.sink if window else 0)
+            peak = simulate_peak_nbytes(rolled, geometry, probe_device=device, memo=memo)
+        else:
+            try:
+                fit = fit_attention_window(cfg, geometry, budget, sink_units=args.sink, probe_device=device,
+                                           memo=memo)
+            except KVCacheError as err:
+                raise RunError(f"--kv-budget {args.kv_budget}: codec {spec.preset}: {err}") from None
+            window, peak = fit.attention_window, fit.peak_nbytes
+        plans[REFERENCE if spec is None else spec.variant] = {
+            "attention_window": window, "sink": args.sink if window else 0,
+            "window": local_attn_size(window, args.sink if window else 0, fpb), "planned_peak_kv_bytes": peak,
+            "kv_budget_bytes": budget, "within_budget": None if budget is None else peak <= budget,
+        }
+    return plans
 
 
 def _protected_layers(text: str) -> tuple[int, ...]:
@@ -128,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
     prompts, prompts_sha, codecs = _validate(args)
     protected = _protected_layers(args.protected_layers)
     rank, world = rank_info()
-    _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
+    grid_shape = _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
+    device = torch.device(args.device) if args.device else local_device(rank)
+    windows = _plan_windows(args, codecs, protected, grid_shape, device)  # a budget too small fails here too
     folder = RunFolder(args.out, rank, world)
     config = {
         "kind": "video", "model": args.model, "preset": get_preset(args.model).to_dict(),
@@ -138,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         "value_group": args.value_group, "protected_layers": list(protected), "protected_units": args.protected_units,
         "seed": args.seed, "codec_seed": args.codec_seed, "frames": args.frames, "height": args.height,
         "width": args.width, "cross_attn_cache": not args.no_cross_attn_cache, "rank": rank, "world_size": world,
-        "fps": FPS,
+        "fps": FPS, "window": args.window, "sink": args.sink, "kv_budget_bytes": args.kv_budget_bytes,
+        "windows": {variant: plan for variant, plan in windows.items()},
     }
     manifest = folder.open_manifest(config, identity_keys=IDENTITY_KEYS)
     variants: list[CodecSpec | None] = [None, *codecs]
@@ -161,7 +239,6 @@ def run(args: argparse.Namespace) -> int:
     from mmkv.pipelines.wan.loaders import load_wan
     from mmkv.pipelines.wan.pipeline import WanVideoPipeline
 
-    device = torch.device(args.device) if args.device else local_device(rank)
     components = load_wan(args.ckpt, args.base, device=device, ckpt_key=args.ckpt_key)
     pipe = WanVideoPipeline(components, get_preset(args.model))
     pipe.dit.state.cache_cross_attn = not args.no_cross_attn_cache
@@ -180,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             contexts[index] = pipe.encode_text([prompts[index]])
             text_seconds = time.perf_counter() - t0
-        record = _render(pipe, folder, grid, args, index, prompts[index], spec, contexts[index], rank, protected)
+        plan = windows[REFERENCE if spec is None else spec.variant]
+        record = _render(pipe, folder, grid, args, index, prompts[index], spec, contexts[index], rank, protected, plan)
         record["timings"]["text_encode"] = text_seconds
         folder.write_rollout(record["item"], record["variant"], record)  # last, atomically: marks completion
         manifest.add_rollout(_manifest_entry(record))
@@ -191,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: CodecSpec | None,
-            context: torch.Tensor, rank: int, protected: tuple[int, ...]) -> dict[str, Any]:
+            context: torch.Tensor, rank: int, protected: tuple[int, ...], plan: dict[str, Any]) -> dict[str, Any]:
     item = item_name(index)
     variant = REFERENCE if spec is None else spec.variant
     out_dir = folder.rollout_dir(item, variant)
@@ -201,7 +279,8 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
     device = pipe.c.device
     store = pipe.make_store(None if spec is None else spec.preset, residual_window=args.residual_window,
                             value_group=args.value_group, seed=args.codec_seed, protected_layers=protected,
-                            protected_units=args.protected_units)
+                            protected_units=args.protected_units, attention_window=plan["attention_window"],
+                            sink_units=plan["sink"])
     noise = NoiseStream(args.seed, index)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -215,6 +294,11 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
     frames = pipe.decode(result.latents)[0]
     decode_seconds = time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    budget = args.kv_budget_bytes
+    if budget is not None and spec is not None and store.peak_nbytes > budget:
+        # the plan simulates this very store; a difference means a codec's bytes depend on more than the shape
+        raise RuntimeError(f"{item} {variant}: the KV store peaked at {store.peak_nbytes} B, over the --kv-budget of "
+                           f"{budget} B that its planned window ({plan['planned_peak_kv_bytes']} B) fitted")
 
     atomic_save_npy(out_dir / FILES["frames"], frames)
     atomic_save_safetensors(out_dir / FILES["latents"], {"latents": result.latents[0].float()},
@@ -237,6 +321,10 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
         "kv_bytes": store.nbytes(), "bf16_kv_bytes": store.bf16_nbytes(),
         "kv_ratio": None if stats["kv_ratio"] is None else float(stats["kv_ratio"]),
         "peak_kv_bytes": store.peak_nbytes, "noise_sha256": noise.sha256, "noise_values": noise.count,
+        "window": plan["window"], "attention_window": plan["attention_window"], "sink": plan["sink"],
+        "kv_budget_bytes": budget, "planned_peak_kv_bytes": plan["planned_peak_kv_bytes"],
+        "within_budget": None if budget is None else store.peak_nbytes <= budget,
+        "latent_frames": grid.latent_frames,
         "seed": args.seed, "model": args.model, "residual_window": args.residual_window,
         "timings": {"total": denoise_seconds + decode_seconds, "denoise": denoise_seconds,
                     "per_block": result.block_seconds, "vae_decode": decode_seconds},
@@ -248,7 +336,7 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
 
 def _manifest_entry(record: dict[str, Any]) -> dict[str, Any]:
     keys = ("item", "variant", "preset", "noise_sha256", "effective_bits", "kv_bytes", "bf16_kv_bytes", "kv_ratio",
-            "peak_kv_bytes", "peak_memory_bytes")
+            "peak_kv_bytes", "peak_memory_bytes", "window", "kv_budget_bytes")
     entry = {k: record.get(k) for k in keys}
     entry["path"] = f"rollouts/{record['item']}/{record['variant']}"
     entry["seconds"] = record.get("timings", {}).get("total")

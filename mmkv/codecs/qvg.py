@@ -236,9 +236,10 @@ class QVGCodec(Codec):
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 1:
             raise CodecError(f"codec 'qvg': tol must be a number in [0, 1] (fraction of ids changed), got {tol!r}")
         self.tol = float(tol)
-        if not isinstance(self.config["asymmetric"], bool):
-            raise CodecError(f"codec 'qvg': asymmetric must be true or false, got {self.config['asymmetric']!r}")
-        self.asymmetric = self.config["asymmetric"]
+        asym = self.config["asymmetric"]
+        if asym not in (True, False) or isinstance(asym, float):  # 0/1 is how a config prints a bool
+            raise CodecError(f"codec 'qvg': asymmetric must be true or false (1 or 0), got {asym!r}")
+        self.asymmetric = bool(asym)
         span = _int_param(self, "span_units", 0)
         self.span_units = span or None  # read by mmkv.cache.KVStore
         self.qmax = (1 << (self.bits - 1)) - 1

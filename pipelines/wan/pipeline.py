@@ -68,6 +68,26 @@ def make_grid(frames: int, height: int, width: int, *, t_factor: int, s_factor: 
     return Grid(frames, height, width, lat_f, lat_h, lat_w, (lat_h // p_h) * (lat_w // p_w))
 
 
+def store_window(window: int | None, sink: int, frames_per_block: int) -> int | None:
+    """Self-Forcing's rolling window (`local_attn_size` latent frames of K/V buffer, the block being generated and the
+    `sink_size` sink frames included; video.md §3.4) -> the store's `attention_window` (stored frames kept besides the
+    sinks; the current block is attended from the call, not stored). None = global attention."""
+    if window is None:
+        return None
+    past = window - frames_per_block - sink
+    if past < 1:
+        raise ResolutionError(
+            f"a window of {window} latent frames holds the current block ({frames_per_block}) and {sink} sink "
+            f"frame(s), which leaves no past frame to roll; use a window of at least {frames_per_block + sink + 1}"
+        )
+    return past
+
+
+def local_attn_size(attention_window: int | None, sink: int, frames_per_block: int) -> int | None:
+    """The inverse of `store_window`: the Self-Forcing window a store window corresponds to (None = global)."""
+    return None if attention_window is None else attention_window + sink + frames_per_block
+
+
 def clean_prompt(text: str) -> str:
     """Wan's `whitespace` cleaning (CF wan/modules/tokenizers.py): ftfy (when installed), HTML unescape, collapse
     whitespace."""
@@ -111,9 +131,13 @@ class WanVideoPipeline:
 
     # -- cache -------------------------------------------------------------------------------------------------
     def make_store(self, codec: str | None, *, residual_window: int, value_group: int = 32, seed: int = 0,
-                   protected_layers: tuple[int, ...] = (), protected_units: int = 0) -> KVStore:
+                   protected_layers: tuple[int, ...] = (), protected_units: int = 0,
+                   attention_window: int | None = None, sink_units: int = 0) -> KVStore:
+        """A KV store for this model; `attention_window` / `sink_units` in the store's units (latent frames kept
+        besides the current block; see `store_window` for Self-Forcing's `local_attn_size`)."""
         cfg = CacheConfig(codec=codec, value_group=value_group, residual_window=residual_window,
-                          protected_layers=protected_layers, protected_units=protected_units, seed=seed)
+                          protected_layers=protected_layers, protected_units=protected_units, seed=seed,
+                          attention_window=attention_window, sink_units=sink_units if attention_window else 0)
         return KVStore(cfg, num_layers=self.dit.num_layers, num_heads=self.dit.num_heads, head_dim=self.dit.head_dim)
 
     # -- generation --------------------------------------------------------------------------------------------
