@@ -134,7 +134,8 @@ def _check_shapes(args: argparse.Namespace) -> dict[str, Any]:
 
 def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: tuple[int, ...],
                   shape: dict[str, Any], device: torch.device) -> dict[str, dict[str, Any]]:
-    """The window of every variant, in the store's units and in Self-Forcing's, with its planned peak KV bytes.
+    """The window of every variant, in Self-Forcing's units (`window`, None = global) and the store's
+    (`attention_window`, None = nothing evicted), with its planned peak KV bytes.
 
     Without a budget every variant rolls `--window` (or attends globally). With one, each codec gets the longest
     window whose simulated peak fits (`mmkv.cache.fit_attention_window`, codec bytes measured on `device`); the
@@ -149,6 +150,7 @@ def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: 
     geometry = Geometry(shape["num_layers"], shape["num_heads"], shape["head_dim"], shape["tokens_per_frame"],
                         (fpb,) * (shape["latent_frames"] // fpb), batch=1, dtype=dtype)
     fixed = store_window(args.window, args.sink, fpb)
+    frames = shape["latent_frames"]
     memo: dict = {}
     budget = args.kv_budget_bytes
     plans: dict[str, dict[str, Any]] = {}
@@ -157,7 +159,10 @@ def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: 
                           residual_window=args.residual_window, protected_layers=protected,
                           protected_units=args.protected_units, seed=args.codec_seed)
         if budget is None or spec is None:
-            window = fixed
+            # A window as long as the rollout (W >= frames) evicts nothing any block attends to: run the global
+            # cache, which it equals bit for bit (and span codecs keep their commit spans unsplit by the sinks).
+            rolls = fixed is not None and frames - fpb > args.sink + fixed
+            window, shown = (fixed if rolls else None), args.window
             rolled = dataclasses.replace(cfg, attention_window=window, sink_units=args.sink if window else 0)
             peak = simulate_peak_nbytes(rolled, geometry, probe_device=device, memo=memo)
         else:
@@ -167,10 +172,11 @@ def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: 
             except KVCacheError as err:
                 raise RunError(f"--kv-budget {args.kv_budget}: codec {spec.preset}: {err}") from None
             window, peak = fit.attention_window, fit.peak_nbytes
+            shown = local_attn_size(window, args.sink if window else 0, fpb)
         plans[REFERENCE if spec is None else spec.variant] = {
-            "attention_window": window, "sink": args.sink if window else 0,
-            "window": local_attn_size(window, args.sink if window else 0, fpb), "planned_peak_kv_bytes": peak,
-            "kv_budget_bytes": budget, "within_budget": None if budget is None else peak <= budget,
+            "window": shown, "attention_window": window, "sink": args.sink if window else 0,
+            "planned_peak_kv_bytes": peak, "kv_budget_bytes": budget,
+            "within_budget": None if budget is None else peak <= budget,
         }
     return plans
 

@@ -174,6 +174,19 @@ def test_equal_memory_mode_fits_every_codec_in_the_budget(env):
     assert {r["variant"].split("_")[0]: r["window"] for r in manifest["rollouts"]} == planned
 
 
+def test_cli_window_as_long_as_the_rollout_renders_the_global_video(env):
+    import numpy as np
+
+    a, b = env["root"] / "global", env["root"] / "window9"
+    assert main(argv(env, a, "--codec", QVG, frames=33)) == 0
+    assert main(argv(env, b, "--codec", QVG, "--window", "9", "--sink", "3", frames=33)) == 0
+    for variant in ("reference", "qvg"):
+        da, db = (next((out / "rollouts" / "p0000").glob(f"{variant}*")) for out in (a, b))
+        assert np.array_equal(np.load(da / "frames.npy"), np.load(db / "frames.npy"))
+        rec = json.loads((db / "rollout.json").read_text())
+        assert rec["window"] == 9 and rec["attention_window"] is None  # asked for 9 = the rollout: evicts nothing
+
+
 @pytest.mark.parametrize("extra, expect", [
     (["--sink", "2"], "--sink needs a rolling window"),
     (["--window", "3"], "at least 4 latent frames"),
