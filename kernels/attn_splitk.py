@@ -18,7 +18,8 @@ Queries are CUDA-core GEMV work at decode (Lq = 1, no GQA group to fill a tensor
 `MAX_FUSED_QUERIES` rows are compute-bound and go through decode-to-bf16 + flash attention instead (ecosystem.md D4).
 
 Packed code planes are dense little-endian bit streams per (batch, head) row (`mmkv.codecs.packing`). Widths that
-divide 16 are read as int16 half-words of 16 // w codes ("half" units); other widths <= 8 as w-byte chunks of 8 codes.
+divide 16 are read as int32 words of two half-words of 16 // w codes ("half" units); other widths <= 8 as w-byte
+chunks of 8 codes. Measured speed and its limits (instruction issue, not bytes): docs/perf.md.
 """
 
 from __future__ import annotations

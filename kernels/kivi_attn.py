@@ -85,7 +85,11 @@ class KiviAttention(SplitKAttention):
     """KIVI K (role=k, per-channel token groups) with KIVI V (role=v, per-token channel groups)."""
 
     name = "kivi"
-    default_warps = 2  # offline SASS count per code: see docs/decisions.d/kernels_attn.md
+
+    def warps(self, seg) -> int:
+        # Measured on H200 at Lk = 128K (docs/perf.md): one warp per 32-token tile is fastest at 4 bits and above;
+        # at 2-3 bits one warp spills, two warps win.
+        return self.num_warps or (1 if seg.k_codec.bits >= 4 else 2)
     has_norm = False
 
     def check(self, q: torch.Tensor, seg) -> None:

@@ -83,8 +83,8 @@ class TurboQuantAttention(SplitKAttention):
     """TurboQuant-MSE K (hi = 0) with groupquant V."""
 
     name = "turboquant-mse"
-    default_block_n = 64
-    default_warps = 4  # offline SASS count per code: see docs/decisions.d/kernels_attn.md
+    default_block_n = 32  # measured on H200 at Lk = 128K: faster than 64 at b = 2 and 4 (docs/perf.md)
+    default_warps = 4
 
     def check(self, q: torch.Tensor, seg) -> None:
         kc = seg.k_codec
