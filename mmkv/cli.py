@@ -18,6 +18,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("report",), "mmkv.report.cli", "tables, plots and an HTML gallery from one or more run folders"),
     (("bench", "synthetic"), "mmkv.bench.synthetic", "the OCTOPUS section 4.1 synthetic codec benchmark"),
     (("bench", "kernels"), "mmkv.bench.kernels", "GPU kernel benchmark against bf16 SDPA in the same process"),
+    (("bench", "video"), "mmkv.bench.video", "GPU: full-size causal Wan DiT rollouts, compressed caches vs the bf16 cache"),
     (("codebooks", "build"), "mmkv.codecs.codebooks", "regenerate the shipped Lloyd-Max codebooks"),
 ]
 
