@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shlex
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +44,6 @@ QUICK_CODECS = ("identity", "octopus:b=2", "turboquant-mse:b=4", "kivi:bits=2,gr
 class VideoModel:
     preset: str  # `mmkv generate video --model`
     checkpoint: str  # key of `write_tiny_assets`' result
-    frames: int
 
 
 @dataclass(frozen=True)
@@ -62,9 +59,9 @@ class Plan:
 
 
 PLANS = {
-    "full": Plan("full", (VideoModel("causvid", "causvid", 33), VideoModel("causal-forcing-frame", "causal_forcing", 33)),
+    "full": Plan("full", (VideoModel("causvid", "causvid"), VideoModel("causal-forcing-frame", "causal_forcing")),
                  prompts=4, audio_model="tiny", clips=4, codecs=CODECS),
-    "quick": Plan("quick", (VideoModel("causvid", "causvid", 33),), prompts=2, audio_model="tiny", clips=2,
+    "quick": Plan("quick", (VideoModel("causvid", "causvid"),), prompts=2, audio_model="tiny", clips=2,
                   codecs=QUICK_CODECS),
 }
 
@@ -89,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LPIPS trunk for the report: auto = torchvision's ImageNet AlexNet when it is in the "
                              "torch hub cache, else a seeded random trunk (marked †, not LPIPS)")
     parser.add_argument("--device", default=None, help="torch device (default: GPU if present, else CPU)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch intra-op CPU threads (default 1: the tiny models' ops are too small to gain from "
+                             "more, and extra threads spin-wait on a busy machine; 0 = torch's default)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def _mmkv(argv: list[str], log: Path, *, step: str) -> float:
     if rc != 0:
         tail = "".join(log.read_text(encoding="utf-8").splitlines(keepends=True)[-20:])
         raise UsageError(f"step '{step}' failed (exit {rc}): mmkv {shlex.join(argv)}\n--- end of {log} ---\n{tail}")
-    print(f"  {step:<34} {seconds:6.1f} s   (log: {log})", flush=True)
+    print(f"  {step:<46} {seconds:6.1f} s   (log: {log})", flush=True)
     return seconds
 
 
@@ -249,6 +249,22 @@ def _check_identity(out: Path, plan: Plan, seed: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0, got {args.threads}")
+    before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mmkv.pipelines.wan.tiny import TINY_VIDEO
+
     plan = PLANS["quick" if args.quick else "full"]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -265,15 +281,16 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     assets = write_assets(out / "assets", plan, args.seed, args.prompts)
-    print(f"  {'assets':<34} {time.perf_counter() - t0:6.1f} s   ({out / 'assets'})", flush=True)
+    print(f"  {'assets':<46} {time.perf_counter() - t0:6.1f} s   ({out / 'assets'})", flush=True)
 
     video_runs = []
     for vm in plan.video:
         run_dir = out / "runs" / vm.preset
-        # TINY_VIDEO's grid: 33 x 32 x 48 pixels -> 9 x 4 x 6 latents (pipelines/wan/tiny.py)
+        # the tiny grid: 33 x 32 x 48 pixels -> 9 x 4 x 6 latents, 2 s at 16 fps
         _mmkv(["generate", "video", "--model", vm.preset, "--ckpt", assets[vm.checkpoint], "--base",
-               assets["wan_base"], "--prompts", assets["prompts"], "--codecs", codecs, "--frames", str(vm.frames),
-               "--height", "32", "--width", "48", "--seed", str(args.seed), "--out", str(run_dir), *device],
+               assets["wan_base"], "--prompts", assets["prompts"], "--codecs", codecs,
+               "--frames", str(TINY_VIDEO["frames"]), "--height", str(TINY_VIDEO["height"]),
+               "--width", str(TINY_VIDEO["width"]), "--seed", str(args.seed), "--out", str(run_dir), *device],
               logs / f"generate_video_{vm.preset}.log", step=f"generate video --model {vm.preset}")
         video_runs.append(run_dir)
     audio_run = out / "runs" / "audio"
@@ -286,11 +303,12 @@ def run(args: argparse.Namespace) -> int:
     common = ["--lpips", lpips, *device]
     _mmkv(["report", *runs, "--format", "md,csv,json,latex,html", "--out", str(report), *common],
           logs / "report.log", step="report (tables, plots, gallery)")
-    # Headline: one Markdown table per modality, from the metrics the report just cached beside each rollout.
+    # Headline: the Markdown tables of each run on its own (one model per table stays readable in a terminal),
+    # from the metrics the report just cached beside each rollout.
     headlines = []
-    for name, group in (("video", [str(r) for r in video_runs]), ("audio", [str(audio_run)])):
-        log = logs / f"headline_{name}.log"
-        _mmkv(["report", *group, "--format", "md", "--no-plots", *common], log, step=f"headline table ({name})")
+    for r in [*video_runs, audio_run]:
+        log = logs / f"headline_{r.name}.log"
+        _mmkv(["report", str(r), "--format", "md", "--no-plots", *common], log, step=f"headline table ({r.name})")
         headlines.append(_strip_log_header(log.read_text(encoding="utf-8")))
     total = time.perf_counter() - t_start
 
@@ -322,7 +340,8 @@ def _where(out: Path, assets: dict[str, Any], video_runs: list[Path], audio_run:
         "Tiny RANDOM models: the numbers show the harness works, not how good a codec is on the real models.",
     ]
     if lpips == "random":
-        lines.append("LPIPS† uses a seeded random AlexNet trunk (no ImageNet weights in the torch hub cache): not LPIPS.")
+        lines.append("LPIPS† uses a seeded random AlexNet trunk (no ImageNet AlexNet in the torch hub cache): not "
+                     "LPIPS. Put alexnet-owt-7be5be79.pth there for real LPIPS.")
     lines.append(f"Rerun `mmkv report {' '.join(str(r) for r in [*video_runs, audio_run])}` for other formats.")
     lines.append("")
     return "\n".join(lines)

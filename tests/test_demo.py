@@ -24,14 +24,6 @@ PLAN = PLANS["quick"]
 VIDEO = PLAN.video[0].preset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _demo(out: Path, *extra: str) -> tuple[int, str, float]:
     buf = io.StringIO()
     t0 = time.perf_counter()
@@ -71,7 +63,8 @@ def test_assets_are_in_release_formats(demo):
     aar = torch.load(assets["aar"], weights_only=True, map_location="cpu")
     sat = torch.load(assets["sat"], weights_only=True, map_location="cpu")
     assert "model_state_dict" in aar and "generator_state_dict" in sat
-    assert {"config.json", "model.safetensors", "preprocessor_config.json"} <= {p.name for p in Path(assets["clap"]).iterdir()}
+    clap = {p.name for p in Path(assets["clap"]).iterdir()}
+    assert {"config.json", "model.safetensors", "preprocessor_config.json"} <= clap
     assert len(assets["clips"]) == PLAN.clips
     for clip in assets["clips"]:
         x, sr = sf.read(clip)
