@@ -823,10 +823,11 @@ def fit_attention_window(
     """The longest rolling `attention_window` (units, beside `sink_units` sinks) whose simulated peak bytes fit in
     `budget_nbytes`: equal memory across codecs instead of equal window. `config`'s own window and sinks are replaced.
 
-    Global attention (no eviction, no sinks) when the whole rollout fits. Binary search, assuming the peak grows with the
-    window (it does for every codec measured; a partly evicted span can only make it grow later): the returned window
-    was itself simulated and fits, so the budget is never exceeded. Raises KVCacheError when not even a one-unit
-    window fits.
+    Global attention (no eviction, no sinks) when the whole rollout fits. The peak grows with the window except for
+    bumps within a span or a commit (with `span_units`, units waiting native for their span may be evicted before it
+    fills at short windows, so one window can peak below a shorter one): binary search, then a scan of the next two
+    spans' worth of windows past its result. The returned window was itself simulated, so the budget always holds.
+    Raises KVCacheError when not even a one-unit window fits.
     """
     if not _is_int(budget_nbytes) or budget_nbytes < 1:
         raise KVCacheError(f"fit_attention_window: budget must be a positive number of bytes, got {budget_nbytes!r}")
@@ -861,4 +862,10 @@ def fit_attention_window(
             lo, best = mid, (mid, p)
         else:
             hi = mid - 1
+    span = max(geometry.schedule) + (KVStore(config, num_layers=1, num_heads=geometry.num_heads,
+                                             head_dim=geometry.head_dim).span_units or 0)
+    for window in range(best[0] + 1, min(best[0] + 2 * span, total - 1) + 1):
+        p = peak(window)
+        if p <= budget_nbytes:
+            best = (window, p)
     return WindowFit(best[0], best[1], budget_nbytes)

@@ -419,7 +419,9 @@ def test_qvg_spans_keep_protected_units_native_and_never_straddle_sinks():
     assert store.num_units(0) == 3 + 5 and torch.equal(store.past(0)[0][:, :, -UNIT:], ks[-1])
 
 
-@pytest.mark.parametrize("codec, sinks", [(None, 1), ("groupquant:bits=2,group=16", 1), ("qvg:centroids=2,block=16", 0)])
+@pytest.mark.parametrize(
+    "codec, sinks", [(None, 1), ("groupquant:bits=2,group=16", 1), ("qvg:centroids=2,block=16", 0)]
+)
 def test_rolling_window_as_long_as_the_rollout_is_the_global_cache(codec, sinks):
     # (a span codec with sinks splits its spans at the sink boundary, see the test above, so it is compared without)
     gen = torch.Generator().manual_seed(16)
@@ -490,6 +492,21 @@ def test_fit_attention_window_gives_each_codec_the_longest_window_in_the_budget(
     assert fit_attention_window(CacheConfig(codec=None), geometry, 24 * per_unit).attention_window is None
     with pytest.raises(KVCacheError, match="smallest rolling window"):
         fit_attention_window(CacheConfig(codec=None), geometry, per_unit, sink_units=1)
+
+
+def test_fit_attention_window_finds_the_longest_fit_past_a_span_bump():
+    # span_units=3 with 3-unit commits and 2 sinks: at short windows units waiting native for their span are evicted
+    # before it fills, so a 4-unit window peaks below a 3-unit one. The fit must still return the longest that fits.
+    geometry = Geometry(2, H, D, 6, (3,) * 6, batch=1, dtype=torch.bfloat16)
+    cfg = CacheConfig(codec="qvg:centroids=4,block=16,span_units=3", value_group=VALUE_GROUP)
+    memo: dict = {}
+    peaks = {w: simulate_peak_nbytes(dataclasses.replace(cfg, attention_window=w, sink_units=2), geometry, memo=memo)
+             for w in range(1, 18)}
+    assert any(peaks[w + 1] < peaks[w] for w in range(1, 17))  # the bump exists
+    for budget in sorted(set(peaks.values()))[:4]:
+        fit = fit_attention_window(cfg, geometry, budget, sink_units=2, memo=memo)
+        assert fit.attention_window == max(w for w, p in peaks.items() if p <= budget)
+        assert fit.peak_nbytes == peaks[fit.attention_window] <= budget
 
 
 # ----------------------------------------------------------------------------------------------------------------
