@@ -312,13 +312,13 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
     _write_mp4(out_dir / FILES["video"], frames)
 
     stats = store.stats()
-    if spec is None:
-        effective_bits = 16.0  # the run-folder contract: the reference is the bf16 cache
-    elif stats["k_effective_bits"] is not None:
+    if spec is not None and stats["k_effective_bits"] is not None:
         # 8 (K bytes + V bytes) / (K values + V values); K and V hold the same number of values.
         effective_bits = (stats["k_effective_bits"] + stats["v_effective_bits"]) / 2
     else:
-        effective_bits = None  # nothing left the residual window
+        # The native cache (or nothing encoded yet): bits of what is held, measured (16 in bf16 on GPU, 32 in fp32
+        # on CPU), as `mmkv compare audio` reports it.
+        effective_bits = stats.get("effective_bits")
     return {
         "kind": "video", "item": item, "item_index": index, "text": prompt, "variant": variant,
         "preset": None if spec is None else spec.preset,
