@@ -177,3 +177,11 @@ def test_a_bit_width_a_codec_lacks_is_skipped_with_a_note():
     assert "unsupported bits=3" in syn.render_markdown(rows, p, notes=notes)
     with pytest.raises(syn.CodecError):  # an explicit preset is the user's: no silent skip
         syn.run_protocol(p, ["qvg:bits=3"], [3], needle=False, sweep=False, iso_rate=False)
+
+
+def test_rows_do_not_depend_on_jobs():
+    p = syn.Protocol(dim=64, seeds=2, keys=128, needle_seeds=3, needle_tokens=128)
+    one = syn.run_protocol(p, ["octopus", "polarquant"], [2], jobs=1)
+    two = syn.run_protocol(p, ["octopus", "polarquant"], [2], jobs=2)
+    assert one == two
+    assert [r["section"] for r in one].count("sweep") == 4 and [r["section"] for r in one].count("iso-rate") == 1

@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -328,15 +330,25 @@ def _row(section: str, cfg: CodecConfig, bits: int | None, p: Protocol, **extra:
     return row
 
 
+def probe_bits(config: CodecConfig, p: Protocol) -> float:
+    """Effective bits of `config` on one seed's worth of keys (rows are packed per seed, so this is the run's)."""
+    x = torch.randn(1, p.keys, p.dim, generator=torch.Generator().manual_seed(0))
+    return build(config, head_dim=p.dim).encode(x).effective_bits
+
+
 def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: bool = True, sweep: bool = True,
-                 iso_rate: bool = True, log=None, notes: list[str] | None = None) -> list[dict]:
-    """Every row of the benchmark as a list of dicts (fields `ROW_FIELDS`). A codec named (not given as a preset)
-    that rejects one of the bit widths or the head dim (QVG has only 2 and 4 bits) is skipped there, with a line
-    appended to `notes`."""
+                 iso_rate: bool = True, jobs: int = 1, log=None, notes: list[str] | None = None) -> list[dict]:
+    """Every row of the benchmark as a list of dicts (fields `ROW_FIELDS`).
+
+    A codec named (not given as a preset) that rejects one of the bit widths or the head dim (QVG has only 2 and 4
+    bits) is skipped there, with a line appended to `notes`. Configs run on `jobs` worker threads with one intra-op
+    thread each (torch ops release the GIL; on a shared 2-core machine OpenMP's two intra-op threads were 2-3x
+    slower than one); each config's numbers do not depend on `jobs`.
+    """
     log = log or (lambda msg: None)
     notes = notes if notes is not None else []
-    # Resolve every codec config before drawing data, so a bad name or preset fails at once.
-    table1: list[tuple[int | None, CodecConfig]] = []
+    # Resolve every config before drawing data, so a bad name or preset fails at once.
+    tasks: list[tuple[str, CodecConfig, int | None, bool, dict]] = []  # (section, config, bits, needle, extra)
     for name in codecs:
         for b, cfg in configs_for(name, bits):
             try:
@@ -347,55 +359,65 @@ def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: boo
                 notes.append(f"skipped {cfg} at d={p.dim}: {err}")
                 log(f"  {notes[-1]}")
                 continue
-            table1.append((b, cfg))
+            tasks.append(("table1", cfg, b, needle, {}))
+    octopus_points = [(b, cfg) for sec, cfg, b, _, _ in tasks if cfg.name == "octopus" and not cfg.get("joint", 1)]
+    if sweep and "octopus" in names():
+        d_key, n_key = _octopus_width_keys(get_codec_class("octopus"))
+        for b in bits:
+            for delta, cfg in octopus_sweep_configs(b):
+                # App. D is an MSE landscape: reconstruction only, no needle.
+                tasks.append(("sweep", cfg, b, False, {"delta": delta, "b_dir": cfg.get(d_key), "b_nrm": cfg.get(n_key)}))
+    if iso_rate and "turboquant-mse" in names():
+        for b, ocfg in octopus_points:
+            tasks.append(("iso-rate", iso_rate_config(probe_bits(ocfg, p), p), b, needle, {"matches": str(ocfg)}))
 
     keys, queries = reconstruction_data(p)
     nk = nq = npos = None
     if needle:
         nk, nq, npos = needle_data(p)
-    rows: list[dict] = []
-    recon: dict[str, dict] = {}  # canonical config -> reconstruction stats (a sweep point may equal a default row)
-    hay: dict[str, tuple[float, float | None]] = {}  # canonical config -> needle mass
 
-    def measure(section: str, cfg: CodecConfig, b: int | None, with_needle: bool, **extra: Any) -> dict:
+    # One unit of work per distinct codec (a sweep point may equal a default row): reconstruction, maybe the needle.
+    work: dict[str, list] = {}
+    for _, cfg, _, with_needle, _ in tasks:
+        unit = work.setdefault(canonical(cfg), [cfg, False])
+        unit[1] = unit[1] or with_needle
+
+    def measure(key: str) -> dict:
+        cfg, with_needle = work[key]
         t0 = time.perf_counter()
-        key = canonical(cfg)
-        if key not in recon:
-            recon[key] = measure_reconstruction(cfg, keys, queries, p)
-        row = _row(section, cfg, b, p, **recon[key], **extra)
+        stats = measure_reconstruction(cfg, keys, queries, p)
         if with_needle:
-            if key not in hay:
-                hay[key] = measure_needle(cfg, nk, nq, npos, p)
-            row["needle_mass"], row["needle_mass_se"] = hay[key]
-            row["needle_seeds"] = p.needle_seeds
-        rows.append(row)
-        log(f"  {section:<9} {str(cfg):<52} {time.perf_counter() - t0:6.2f} s")
-        return row
+            stats["needle_mass"], stats["needle_mass_se"] = measure_needle(cfg, nk, nq, npos, p)
+        log(f"  {str(cfg):<58} {time.perf_counter() - t0:6.2f} s")
+        return stats
 
-    if needle:
-        m, se = measure_needle(None, nk, nq, npos, p)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if jobs > 1:
+            with ThreadPoolExecutor(jobs) as pool:
+                results = dict(zip(work, pool.map(measure, work)))
+        else:
+            results = {key: measure(key) for key in work}
+        fp32 = measure_needle(None, nk, nq, npos, p) if needle else None
+    finally:
+        torch.set_num_threads(threads)
+
+    rows: list[dict] = []
+    if fp32 is not None:
         rows.append({**{f: None for f in ROW_FIELDS}, "section": "table1", "codec": "fp32", "config": "fp32",
                      "bits": 32, "effective_bits": 32.0, "mse": 0.0, "mse_se": 0.0, "cosine": 1.0, "ip_error": 0.0,
-                     "ip_error_se": 0.0, "ip_bias": 0.0, "needle_mass": m, "needle_mass_se": se, "dim": p.dim,
-                     "seeds": p.seeds, "needle_seeds": p.needle_seeds})
-
-    octopus_points: list[tuple[int, dict]] = []
-    for b, cfg in table1:
-        row = measure("table1", cfg, b, needle)
-        if cfg.name == "octopus" and not cfg.get("joint", False):
-            octopus_points.append((b, row))
-
-    if sweep and "octopus" in names():
-        for b in bits:
-            for delta, cfg in octopus_sweep_configs(b):
-                d_key, n_key = _octopus_width_keys(get_codec_class("octopus"))
-                # App. D is an MSE landscape: reconstruction only, no needle.
-                measure("sweep", cfg, b, False, delta=delta, b_dir=cfg.get(d_key), b_nrm=cfg.get(n_key))
-
-    if iso_rate and "turboquant-mse" in names():
-        for b, orow in octopus_points:
-            cfg = iso_rate_config(orow["effective_bits"], p)
-            measure("iso-rate", cfg, b, needle, matches=orow["config"])
+                     "ip_error_se": 0.0, "ip_bias": 0.0, "needle_mass": fp32[0], "needle_mass_se": fp32[1],
+                     "dim": p.dim, "seeds": p.seeds, "needle_seeds": p.needle_seeds})
+    for section, cfg, b, with_needle, extra in tasks:
+        stats = dict(results[canonical(cfg)])
+        if not with_needle:
+            stats.pop("needle_mass", None)
+            stats.pop("needle_mass_se", None)
+        row = _row(section, cfg, b, p, **stats, **extra)
+        if with_needle:
+            row["needle_seeds"] = p.needle_seeds
+        rows.append(row)
     return rows
 
 
@@ -552,6 +574,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list")
     parser.add_argument("--csv", type=Path, default=None, help="write the rows as CSV")
     parser.add_argument("--plot", type=Path, default=None, help="plot MSE and needle mass against effective bits")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="codec configs measured concurrently, one thread each (default: min(2, CPUs))")
     parser.add_argument("--quiet", action="store_true", help="no per-config progress on stderr")
 
 
@@ -576,7 +600,7 @@ def _codec_list(text: str | None) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.dim < 2:
         raise ValueError(f"--dim must be >= 2, got {args.dim}")
-    for flag in ("seeds", "keys", "queries", "needle_tokens", "needle_seeds"):
+    for flag in ("seeds", "keys", "queries", "needle_tokens", "needle_seeds", "jobs"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     p = Protocol(dim=args.dim, seeds=args.seeds, keys=args.keys, queries=args.queries,
@@ -587,7 +611,7 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     rows = run_protocol(p, codecs, list(args.bits), needle=not args.no_needle,
                         sweep=not args.no_sweep and (args.codecs is None or "octopus" in codecs),
-                        iso_rate=not args.no_iso_rate, log=log, notes=notes)
+                        iso_rate=not args.no_iso_rate, jobs=args.jobs, log=log, notes=notes)
     seconds = time.perf_counter() - t0
     sys.stdout.write(render_markdown(rows, p, seconds, notes))
     if args.json:
