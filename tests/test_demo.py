@@ -105,7 +105,7 @@ def test_tables_have_a_row_per_codec_preset(demo):
         assert r[video_n[0]] == PLAN.prompts and r[audio_n[0]] == PLAN.clips, r
     # the headline printed: one Markdown table per modality, a row per codec, and where the gallery is
     assert str(report / "index.html") in stdout
-    assert f"bf16-cache reference ({VIDEO})" in stdout and "bf16-cache reference (AAR_tiny+SAT_tiny)" in stdout
+    assert f"native-cache reference ({VIDEO})" in stdout and "native-cache reference (AAR_tiny+SAT_tiny)" in stdout
     for label in ("Identity", "OCTOPUS", "TurboQuant-MSE", "KIVI"):
         assert stdout.count(f"| {label} |") >= 2, label
 

@@ -110,7 +110,7 @@ def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: P
         s = metrics["summary"]
         line = " · ".join(f"{METRICS[k].label} {_fmt_metric(k, s.get(k))}" for k in CAPTION_METRICS[kind] if k in s)
     elif r.is_reference:
-        line = "bf16 cache"
+        line = "native cache (reference)"
     else:
         line = "not measured"
     cls = "cell reference" if r.is_reference else "cell"

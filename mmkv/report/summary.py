@@ -308,7 +308,7 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         table_rows.append(row)
     notes = [
         "min / μ / max across the items (prompts or clips) of each codec, each compared with the same item's "
-        "bf16-cache reference rollout (same seed, byte-identical initial noise). μ: bold = best, underlined = "
+        "native-cache reference rollout (uncompressed: bf16 on GPU, fp32 on CPU; same seed, byte-identical initial noise). μ: bold = best, underlined = "
         "runner-up within a bit-width block.",
         "b: nominal bits of the preset; KV×: bf16 KV bytes / bytes really stored; bits: measured effective bits per "
         "KV element (payload, side information and native residual window).",
@@ -324,7 +324,7 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
                      "(= bit-identical), @cap = share of clips at the cap; mel MSE = log10-mel MSE (80 Slaney mels, "
                      "n_fft 1024, hop 256); cos = SAT latent cosine.")
     notes += _lpips_note(s.groups)
-    title = "Compressed-KV rollouts against the bf16-cache reference" + (
+    title = "Compressed-KV rollouts against the native-cache reference" + (
         f" ({', '.join(g.label for g in s.groups)})" if s.groups else "")
     return Table("main", title, cols, table_rows, block="bits", notes=notes)
 
