@@ -20,7 +20,9 @@ import triton.language as tl
 # The interpreter (TRITON_INTERPRET=1, what CI runs on CPU) has no bf16/fp16 matrix product: dot operands go to fp32.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+_INTERP = tl.constexpr(INTERPRET)
 LAUNCH = {"enable_fp_fusion": False}
+ROWS_WARPS = 4  # warps of a one-token-a-thread program: BT = 32 * ROWS_WARPS tokens
 
 
 def next_pow2(n: int) -> int:
@@ -35,6 +37,11 @@ def rows_of(x: torch.Tensor) -> int:
 def head_count(codec) -> int:
     """Heads whose per-head state (rotation signs) alternates over rows: dim -3 is the KV-head axis when > 1."""
     return codec.num_heads if codec.num_heads > 1 else 1
+
+
+def vector(dtype: torch.dtype) -> int:
+    """Entries in a 16-byte access of `dtype`: the chunk width of `load_rows` / `store_rows`."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
 
 
 _TABLES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -65,6 +72,54 @@ def rint(v):
     return tl.where(a < big, r, v)
 
 
+def search_table(centroids: torch.Tensor, max_cells: int = 4096) -> dict[str, torch.Tensor]:
+    """Tables for `search`: "t" = [lo, 1/w, -inf, t_0, ..., t_{NB-1}, +inf] (fp32 boundaries as `boundaries` gives
+    them) and "n" (uint8) = for each of the equal cells [lo + k w, lo + (k+1) w) the number of boundaries below its left
+    edge. Cells are a power of two in number and at most a third of the narrowest gap between boundaries wide, so the
+    table stays a few cache lines. "n" has one entry (plain compares instead) below 8 levels."""
+    t = boundaries(centroids)
+    nb = t.numel()
+    body = torch.cat([torch.tensor([float("-inf")]), t, torch.tensor([float("inf")])])
+    if nb < 7:
+        return {"t": torch.cat([torch.zeros(2), body]), "n": torch.zeros(1, dtype=torch.uint8)}
+    t64 = t.double()
+    span = float(t64[-1] - t64[0])
+    gap = float((t64[1:] - t64[:-1]).min())
+    lo, width = float(t64[0]) - span / 8 - 1e-6, span * 1.25 + 2e-6
+    cells = 16
+    while cells < max_cells and width / cells > gap / 3:
+        cells *= 2
+    w = width / cells
+    if w > gap / 3:
+        return {"t": torch.cat([torch.zeros(2), body]), "n": torch.zeros(1, dtype=torch.uint8)}
+    edges = lo + w * torch.arange(cells, dtype=torch.float64)
+    n = torch.searchsorted(t64, edges, right=False).to(torch.uint8)  # #{t_j < edge}
+    head = torch.tensor([lo, 1.0 / w], dtype=torch.float64).float()
+    return {"t": torch.cat([head, body]), "n": n}
+
+
+def cells(table: dict[str, torch.Tensor]) -> int:
+    """The CELLS constexpr of `search` for a `search_table` (0: plain compares)."""
+    n = table["n"].numel()
+    return n if n > 1 else 0
+
+
+@triton.jit
+def search(v, t_ptr, n_ptr, NB: tl.constexpr, CELLS: tl.constexpr):
+    """torch.searchsorted(t, v) on a `search_table`: the cell of v gives the count n below its left edge, and since
+    cells are much narrower than the gaps between boundaries, #{t_j < v} = n - 1 + [t_{n-1} < v] + [t_n < v] (v may
+    even fall a cell off by rounding). Three gathered loads instead of NB compares. CELLS = 0: plain compares."""
+    if CELLS == 0:
+        return count_less(v, t_ptr + 3, NB)
+    else:
+        lo = tl.load(t_ptr)
+        inv_w = tl.load(t_ptr + 1)
+        f = tl.minimum(tl.maximum((v - lo) * inv_w, 0.0), CELLS - 1.0)
+        n = tl.load(n_ptr + f.to(tl.int32)).to(tl.int32)
+        tp = t_ptr + 2  # tp[i] = t_{i-1}, tp[0] = -inf, tp[NB + 1] = +inf
+        return n - 1 + (tl.load(tp + n) < v).to(tl.int32) + (tl.load(tp + n + 1) < v).to(tl.int32)
+
+
 @triton.jit
 def count_less(v, t_ptr, NB: tl.constexpr):
     """torch.searchsorted(t, v) for sorted fp32 boundaries t[NB]: #{k: t_k < v}, i.e. the nearest centroid with
@@ -86,10 +141,38 @@ def count_less(v, t_ptr, NB: tl.constexpr):
 
 @triton.jit
 def cast_to(y, dtype: tl.constexpr):
-    """fp32 -> dtype with round-to-nearest-even (torch's `.to`). bf16 is rounded by hand: the interpreter truncates."""
-    if dtype == tl.bfloat16:
+    """fp32 -> dtype with round-to-nearest-even (torch's `.to`). The interpreter truncates to bf16, so there bf16 is
+    rounded by hand."""
+    if _INTERP and dtype == tl.bfloat16:
         b = y.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return y.to(dtype)
+
+
+# -- one token per thread ------------------------------------------------------------------------------------------
+# Triton lays a [BT, D] load out for coalescing: 16-byte chunks of a row on neighbouring lanes, so a butterfly over
+# the row needs shuffles or shared memory at most stages. These two functions instead address rows as
+# [BT, D/V, V] chunks with a chunk stride `vr` (= V) that is a run-time argument: the compiler then only knows that
+# chunks are V-aligned, keeps the 16-byte vectors, and puts the tokens, not the chunks, on the lanes. A whole row
+# then lives in one thread, and the butterfly, norms, searches and bit packing are register work
+# (docs/decisions.d/kernels_codec.md).
+
+
+@triton.jit
+def load_rows(ptr, base, t0, n_tok, vr, BT: tl.constexpr, D: tl.constexpr, V: tl.constexpr):
+    """Rows [t0, t0 + n_tok) of the [T, D] block at ptr + base as [BT, D] (zeros past n_tok), one row a thread."""
+    tt = tl.arange(0, BT)[:, None, None]
+    kv = tl.multiple_of(tl.arange(0, D // V)[None, :, None] * vr, [V, V, V])
+    off = base + (t0 + tt).to(tl.int64) * D + kv + tl.arange(0, V)[None, None, :]
+    return tl.reshape(tl.load(ptr + off, mask=tt < n_tok, other=0.0), (BT, D))
+
+
+@triton.jit
+def store_rows(ptr, base, t0, n_tok, y, vr, BT: tl.constexpr, D: tl.constexpr, V: tl.constexpr):
+    """The inverse of `load_rows`: y[BT, D] (already in the output dtype) to rows [t0, t0 + n_tok)."""
+    tt = tl.arange(0, BT)[:, None, None]
+    kv = tl.multiple_of(tl.arange(0, D // V)[None, :, None] * vr, [V, V, V])
+    off = base + (t0 + tt).to(tl.int64) * D + kv + tl.arange(0, V)[None, None, :]
+    tl.store(ptr + off, tl.reshape(y, (BT, D // V, V)), mask=tt < n_tok)

@@ -11,18 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, rows_of
-from mmkv.kernels.groupquant_encode import block_tokens, supports  # noqa: F401  (same parameter range)
-from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.common import LAUNCH, cast_to, rows_of, store_rows, vector
+from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
+from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht
 
 
 @triton.jit
 def _minmax_decode_kernel(
     codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr,
-    T, NH, rscale, row_bytes, NGT,
+    T, NH, rscale, row_bytes, NGT, vr,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
+    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
@@ -32,7 +32,10 @@ def _minmax_decode_kernel(
     tt = tl.arange(0, BT)
     jj = tl.arange(0, DP)
     valid = (tt < n_tok)[:, None] & (jj < D)[None, :]
-    q = unpack_block(codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
+    if ROWS:
+        q = unpack_rows(codes_ptr, row64 * T * (D * BITS // 8), t0, n_tok, vr, BT, D, BITS, V)
+    else:
+        q = unpack_block(codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
     if CHANNEL:
         moff = row64 * D * NGT + jj[None, :] * NGT + ((t0 + tt) // G)[:, None]
     else:
@@ -46,8 +49,11 @@ def _minmax_decode_kernel(
         y = y * n[:, None]
     if ROTATE:
         y = fwht(y, BT, DP) * rscale
-    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
-    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=valid)
+    if ROWS:
+        store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+    else:
+        off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+        tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=valid)
 
 
 def minmax_decode(
@@ -72,13 +78,15 @@ def minmax_decode(
         return out
     dp = triton.next_power_of_2(D)
     channel = axis == "channel"
-    bt = block_tokens(group, dp, channel)
+    by_rows = row_layout(D, bits, channel, rotate)
+    bt = block_tokens(group, dp, channel, by_rows)
+    v = min(vector(dtype), D)
     _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](
         codes, tensors["scale"].contiguous(), tensors["offset"].contiguous(),
         norm if norm is not None else tensors["scale"], out,
-        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group),
+        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group), v,
         D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
-        num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
+        ROWS=by_rows, V=v, num_warps=max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8), **LAUNCH,
     )
     return out
 

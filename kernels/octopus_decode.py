@@ -15,18 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of
-from mmkv.kernels.octopus_encode import _tables, supports  # noqa: F401  (same parameter range as the encoder)
-from mmkv.kernels.packing import unpack_at, unpack_block
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, head_count, next_pow2, rows_of, store_rows, vector
+from mmkv.kernels.octopus_encode import _tables, from_triplets, supports  # noqa: F401  (same range as the encoder)
+from mmkv.kernels.packing import unpack_at, unpack_rows
 from mmkv.kernels.rotation import fwht
 
 
 @triton.jit
 def _octopus_decode_kernel(
     dir_ptr, rho_ptr, gamma_ptr, qjl_ptr, rnorm_ptr, lut_ptr, rho_c_ptr, s_ptr, sk_ptr, out_ptr,
-    T, NH, scale, qjl_scale, dir_row_bytes, rho_row_bytes, qjl_row_bytes,
-    D: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, DIR_BITS: tl.constexpr, RHO_BITS: tl.constexpr,
-    QJL: tl.constexpr,
+    T, NH, scale, qjl_scale, dir_row_bytes, rho_row_bytes, vr,
+    D: tl.constexpr, NT: tl.constexpr, NTP: tl.constexpr, BT: tl.constexpr, V: tl.constexpr,
+    DIR_BITS: tl.constexpr, RHO_BITS: tl.constexpr, QJL: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
@@ -35,30 +35,33 @@ def _octopus_decode_kernel(
     n_tok = tl.minimum(T - t0, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
+    ii = tl.arange(0, NTP)
     tmask = tt < n_tok
-    mask = tmask[:, None] & (jj < D)[None, :]
-    idx = (t0 + tt)[:, None] * NT + (jj // 3)[None, :]
+    # per triplet: code, rho code, t_hat = DIR[code] * C_rho[jr] (the reference's LUT and product)
+    mask = tmask[:, None] & (ii < NT)[None, :]
+    idx = (t0 + tt)[:, None] * NT + ii[None, :]
     code = unpack_at(dir_ptr, row64 * dir_row_bytes, idx, mask, 2 * DIR_BITS)
     if RHO_BITS > 0:
-        jr = unpack_at(rho_ptr, row64 * rho_row_bytes, idx, mask, RHO_BITS)
+        rc = tl.load(rho_c_ptr + unpack_at(rho_ptr, row64 * rho_row_bytes, idx, mask, RHO_BITS))
     else:
-        jr = tl.zeros(code.shape, tl.int32)
-    u = tl.load(lut_ptr + code * 3 + (jj % 3)[None, :]) * tl.load(rho_c_ptr + jr)  # t_hat = DIR[code] * C_rho[jr]
+        rc = tl.load(rho_c_ptr + tl.zeros(code.shape, tl.int32))
+    hx = tl.load(lut_ptr + code * 3) * rc
+    hy = tl.load(lut_ptr + code * 3 + 1) * rc
+    hz = tl.load(lut_ptr + code * 3 + 2) * rc
+    u = from_triplets(hx, hy, hz, BT, D, NTP)  # back to coordinates j = 3i + c, padding dropped
     if QJL:
-        bits = unpack_block(qjl_ptr, row64 * qjl_row_bytes, t0, n_tok, BT, D, D, 1, 0, 0, D)
+        bits = unpack_rows(qjl_ptr, row64 * T * (D // 8), t0, n_tok, vr, BT, D, 1, V)
         sigma = bits.to(tl.float32) * 2 - 1
         sk = tl.load(sk_ptr + (row % NH) * D + jj).to(tl.float32)
         coef = qjl_scale * tl.load(rnorm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
         u = u + coef[:, None] * (fwht(sigma, BT, D) * scale * sk[None, :])
     gamma = tl.load(gamma_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
-    y = gamma[:, None] * u
     s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)
-    y = fwht(y, BT, D) * scale * s[None, :]  # k_hat = s * H(gamma u_hat)
-    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
-    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=mask)
+    y = fwht(gamma[:, None] * u, BT, D) * scale * s[None, :]  # k_hat = s * H(gamma u_hat)
+    store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
 
 
-def decode(codec, enc, dtype: torch.dtype, *, bt: int | None = None, warps: int = 4) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for OCTOPUS / OCTOPUS-QJL on the kernel: [..., T, D] in `dtype`."""
     qjl = hasattr(codec, "sketch")
     *lead, T, D = enc.shape
@@ -69,16 +72,17 @@ def decode(codec, enc, dtype: torch.dtype, *, bt: int | None = None, warps: int 
     rows = rows_of(out)
     if not rows or not T:
         return out
-    n_t = codec.n_t
-    bt = bt or (32 if D <= 128 else 16)
+    warps = warps or ROWS_WARPS
+    bt = 32 * warps  # one token a thread
+    v = min(vector(dtype), D)
     dir_p = t["dir"].contiguous()
     rho_p = t["rho"].contiguous() if codec.rho_bits else dir_p
     qjl_p = t["qjl"].contiguous() if qjl else dir_p
     rnorm = t["rnorm"].contiguous() if qjl else t["gamma"]
     _octopus_decode_kernel[(triton.cdiv(T, bt), rows)](
         dir_p, rho_p, t["gamma"].contiguous(), qjl_p, rnorm, tab["lut"], tab["rho_c"], tab["signs"], tab["sketch"], out,
-        T, head_count(codec), 1.0 / math.sqrt(D), getattr(codec, "qjl_scale", 0.0),
-        dir_p.shape[-1], rho_p.shape[-1], qjl_p.shape[-1],
-        D=D, NT=n_t, BT=bt, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits, QJL=qjl, num_warps=warps, **LAUNCH,
+        T, head_count(codec), 1.0 / math.sqrt(D), getattr(codec, "qjl_scale", 0.0), dir_p.shape[-1], rho_p.shape[-1], v,
+        D=D, NT=codec.n_t, NTP=next_pow2(codec.n_t), BT=bt, V=v, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits,
+        QJL=qjl, num_warps=warps, **LAUNCH,
     )
     return out

@@ -17,27 +17,26 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, rows_of
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, load_rows, rows_of, vector
 from mmkv.kernels.groupquant_encode import minmax_encode, supports_minmax
 from mmkv.kernels.rotation import fwht
 
 
 @triton.jit
-def _rotated_sumsq_kernel(x_ptr, out_ptr, T, rscale, D: tl.constexpr, BT: tl.constexpr):
+def _rotated_sumsq_kernel(x_ptr, out_ptr, T, rscale, vr, D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
     row64 = row.to(tl.int64)
     t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
     tt = tl.arange(0, BT)
-    jj = tl.arange(0, D)
-    tmask = t0 + tt < T
-    x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
+    x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V)
     r = fwht(x.to(tl.float32), BT, D) * rscale
-    tl.store(out_ptr + row64 * T + t0 + tt, tl.sum(r * r, axis=1), mask=tmask)
+    tl.store(out_ptr + row64 * T + t0 + tt, tl.sum(r * r, axis=1), mask=tt < n_tok)
 
 
 def supports(codec) -> bool:
-    return supports_minmax(codec.head_dim, codec.group, codec.bits) and codec.head_dim >= 2
+    return supports_minmax(codec.head_dim, codec.group, codec.bits) and 8 <= codec.head_dim <= 256
 
 
 def token_norms(x: torch.Tensor) -> torch.Tensor:
@@ -45,9 +44,12 @@ def token_norms(x: torch.Tensor) -> torch.Tensor:
     *lead, T, D = x.shape
     sq = torch.empty(*lead, T, dtype=torch.float32, device=x.device)
     rows = rows_of(x)
-    bt = max(8, 4096 // D)
+    bt = 32 * ROWS_WARPS
+    v = min(vector(x.dtype), D)
     if rows and T:
-        _rotated_sumsq_kernel[(triton.cdiv(T, bt), rows)](x, sq, T, 1.0 / math.sqrt(D), D=D, BT=bt, **LAUNCH)
+        _rotated_sumsq_kernel[(triton.cdiv(T, bt), rows)](
+            x, sq, T, 1.0 / math.sqrt(D), v, D=D, BT=bt, V=v, num_warps=ROWS_WARPS, **LAUNCH
+        )
     if x.dim() >= 3:
         sq = sq.sum(-2)
     norm = sq.sqrt()

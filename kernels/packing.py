@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmkv.kernels.common import load_rows, store_rows
+
 
 @triton.jit
 def pack_block(
@@ -38,7 +40,12 @@ def pack_block(
     FAST: tl.constexpr = (
         (W <= 8) and (N % 8 == 0) and (NP % 8 == 0) and (A0 % 8 == 0) and (P0 % 8 == 0) and (NV % 8 == 0)
     )
-    if FAST:
+    if W == 8 and P0 == 0 and NV == N:  # one byte a code
+        tt = tl.arange(0, BT)[:, None]
+        aa = tl.arange(0, NP)[None, :]
+        off = row_base + (t0 + tt).to(tl.int64) * N + (aa - A0)
+        tl.store(out_ptr + off, codes.to(tl.uint8), mask=(tt < n_tok) & (aa >= A0) & (aa < A0 + N))
+    elif FAST:
         WP: tl.constexpr = 1 if W == 1 else (2 if W == 2 else (4 if W <= 4 else 8))
         tt = tl.arange(0, BT)
         ck = tl.arange(0, NP // 8)
@@ -127,3 +134,70 @@ def unpack_block(
         keep = (a >= A0) & (a < A0 + NV)
         idx = (t0 + tt)[:, None] * N + (a - A0 + P0)[None, :]
         return unpack_at(in_ptr, row_base, idx, (tt < n_tok)[:, None] & keep[None, :], W)
+
+
+# -- one token a thread (`mmkv.kernels.common.load_rows` layout) ---------------------------------------------------
+# When a plane's N codes of W bits fill whole bytes (N*W % 8 == 0) and N is a power of two, token t's bytes are
+# [t*N*W/8, (t+1)*N*W/8) of the row: each thread packs its own token in registers and writes 16-byte vectors.
+
+
+@triton.jit
+def pack_rows(codes, ptr, base, t0, n_tok, vr, BT: tl.constexpr, N: tl.constexpr, W: tl.constexpr,
+              V: tl.constexpr):
+    """codes [BT, N] int32 (< 2^W) of tokens [t0, t0 + n_tok) into the plane at ptr + base. `vr` is the run-time
+    twin of V (the entries in a 16-byte vector of the rows this kernel loaded), see `load_rows`."""
+    NBT: tl.constexpr = N * W // 8
+    if 8 % W == 0:
+        PER: tl.constexpr = 8 // W
+        b = tl.sum(tl.reshape(codes, (BT, NBT, PER)) << (tl.arange(0, PER) * W)[None, None, :], axis=2)
+        VB: tl.constexpr = 16 if NBT >= 16 else NBT
+        store_rows(ptr, base, t0, n_tok, b.to(tl.uint8), vr * VB // V, BT, NBT, VB)
+    else:
+        WP: tl.constexpr = triton.next_power_of_2(W)
+        c3 = tl.reshape(codes, (BT, N // 8, 8)).to(tl.int64)
+        val = tl.sum(c3 << (tl.arange(0, 8) * W).to(tl.int64)[None, None, :], axis=2)  # 8 codes -> W bytes
+        qq = tl.arange(0, WP)[None, None, :]
+        b = (val[:, :, None] >> (qq * 8).to(tl.int64)) & 0xFF
+        tt = tl.arange(0, BT)[:, None, None]
+        off = base + (t0 + tt).to(tl.int64) * NBT + tl.arange(0, N // 8)[None, :, None] * W + qq
+        tl.store(ptr + off, b.to(tl.uint8), mask=(tt < n_tok) & (qq < W))
+
+
+@triton.jit
+def unpack_rows(ptr, base, t0, n_tok, vr, BT: tl.constexpr, N: tl.constexpr, W: tl.constexpr, V: tl.constexpr):
+    """The inverse of `pack_rows`: codes [BT, N] int32, one token a thread (0 past n_tok)."""
+    NBT: tl.constexpr = N * W // 8
+    if 8 % W == 0:
+        PER: tl.constexpr = 8 // W
+        VB: tl.constexpr = 16 if NBT >= 16 else NBT
+        b = load_rows(ptr, base, t0, n_tok, vr * VB // V, BT, NBT, VB).to(tl.int32)
+        c3 = (b[:, :, None] >> (tl.arange(0, PER) * W)[None, None, :]) & ((1 << W) - 1)
+        return tl.reshape(c3, (BT, N))
+    else:
+        WP: tl.constexpr = triton.next_power_of_2(W)
+        qq = tl.arange(0, WP)[None, None, :]
+        tt = tl.arange(0, BT)[:, None, None]
+        off = base + (t0 + tt).to(tl.int64) * NBT + tl.arange(0, N // 8)[None, :, None] * W + qq
+        b = tl.load(ptr + off, mask=(tt < n_tok) & (qq < W), other=0).to(tl.int64)
+        val = tl.sum(b << (qq * 8).to(tl.int64), axis=2)
+        c3 = (val[:, :, None] >> (tl.arange(0, 8) * W).to(tl.int64)[None, None, :]) & ((1 << W) - 1)
+        return tl.reshape(c3, (BT, N)).to(tl.int32)
+
+
+@triton.jit
+def pack_plane(codes, ptr, base, t0, n_tok, vr, BT: tl.constexpr, N: tl.constexpr, W: tl.constexpr, V: tl.constexpr):
+    """codes [BT, N] (N a power of two, one token a thread) into a plane of N codes a token: `pack_rows` when tokens
+    fill whole bytes, else `pack_block`. `base` = row * (plane bytes of a row)."""
+    if (N * W) % 8 == 0 and (8 % W == 0 or N % 8 == 0):
+        pack_rows(codes, ptr, base, t0, n_tok, vr, BT, N, W, V)
+    else:
+        pack_block(codes, ptr, base, t0, n_tok, BT, N, N, W, 0, 0, N)
+
+
+@triton.jit
+def unpack_plane(ptr, base, t0, n_tok, vr, BT: tl.constexpr, N: tl.constexpr, W: tl.constexpr, V: tl.constexpr):
+    """The inverse of `pack_plane`."""
+    if (N * W) % 8 == 0 and (8 % W == 0 or N % 8 == 0):
+        return unpack_rows(ptr, base, t0, n_tok, vr, BT, N, W, V)
+    else:
+        return unpack_block(ptr, base, t0, n_tok, BT, N, N, W, 0, 0, N)

@@ -14,17 +14,17 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mmkv.kernels.common import INTERPRET, LAUNCH, cast_to, rows_of
-from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.common import INTERPRET, LAUNCH, ROWS_WARPS, cast_to, rows_of, store_rows, vector
+from mmkv.kernels.packing import unpack_plane
 from mmkv.kernels.polarquant_encode import _LUT, _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.rotation import fwht
 
 
 @triton.jit
-def _unfold(r, c_ptr, in_ptr, row_base, t0, n_tok, BT: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
-            INTERP: tl.constexpr):
+def _unfold(r, c_ptr, in_ptr, row_base, t0, n_tok, vr, BT: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+            INTERP: tl.constexpr, V: tl.constexpr):
     # r [BT, N] radii, N angles of this level -> [BT, 2N] = interleaved (r cos theta, r sin theta)
-    theta = tl.load(c_ptr + unpack_block(in_ptr, row_base, t0, n_tok, BT, N, N, BITS, 0, 0, N))
+    theta = tl.load(c_ptr + unpack_plane(in_ptr, row_base, t0, n_tok, vr, BT, N, BITS, V))
     if INTERP:
         cos = tl.cos(theta)
         sin = tl.sin(theta)
@@ -37,9 +37,9 @@ def _unfold(r, c_ptr, in_ptr, row_base, t0, n_tok, BT: tl.constexpr, N: tl.const
 @triton.jit
 def _polarquant_decode_kernel(
     a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr, c_ptr, s_ptr, out_ptr,
-    T, scale, rb1, rb2, rb3, rb4,
+    T, scale, rb1, rb2, rb3, rb4, vr,
     D: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr,
-    LUT: tl.constexpr, INTERP: tl.constexpr,
+    LUT: tl.constexpr, INTERP: tl.constexpr, V: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
@@ -53,14 +53,13 @@ def _polarquant_decode_kernel(
     kb = tl.arange(0, NB)
     r = tl.load(radius_ptr + row64 * T * NB + (t0 + tt).to(tl.int64)[:, None] * NB + kb[None, :],
                 mask=tmask[:, None], other=0.0).to(tl.float32)
-    r = _unfold(r, c_ptr + 3 * LUT, a4_ptr, row64 * rb4, t0, n_tok, BT, D // 16, B4, INTERP)
-    r = _unfold(r, c_ptr + 2 * LUT, a3_ptr, row64 * rb3, t0, n_tok, BT, D // 8, B3, INTERP)
-    r = _unfold(r, c_ptr + LUT, a2_ptr, row64 * rb2, t0, n_tok, BT, D // 4, B2, INTERP)
-    r = _unfold(r, c_ptr, a1_ptr, row64 * rb1, t0, n_tok, BT, D // 2, B1, INTERP)
+    r = _unfold(r, c_ptr + 3 * LUT, a4_ptr, row64 * rb4, t0, n_tok, vr, BT, D // 16, B4, INTERP, V)
+    r = _unfold(r, c_ptr + 2 * LUT, a3_ptr, row64 * rb3, t0, n_tok, vr, BT, D // 8, B3, INTERP, V)
+    r = _unfold(r, c_ptr + LUT, a2_ptr, row64 * rb2, t0, n_tok, vr, BT, D // 4, B2, INTERP, V)
+    r = _unfold(r, c_ptr, a1_ptr, row64 * rb1, t0, n_tok, vr, BT, D // 2, B1, INTERP, V)
     s = tl.load(s_ptr + jj).to(tl.float32)
     y = fwht(r, BT, D) * scale * s[None, :]
-    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
-    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
+    store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
 
 
 def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
@@ -74,11 +73,12 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
     if not rows or not T:
         return out
     planes = [t[f"angles{level}"].contiguous() for level in range(1, 5)]
-    bt = 32 if D <= 128 else 16
+    bt = 32 * ROWS_WARPS  # one token a thread
+    v = min(vector(dtype), D)
     b1, b2, b3, b4 = codec.level_bits
     _polarquant_decode_kernel[(triton.cdiv(T, bt), rows)](
         *planes, t["radius"].contiguous(), tab["cent"], tab["signs"], out,
-        T, 1.0 / math.sqrt(D), *[p.shape[-1] for p in planes],
-        D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET, num_warps=4, **LAUNCH,
+        T, 1.0 / math.sqrt(D), *[p.shape[-1] for p in planes], v,
+        D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET, V=v, num_warps=ROWS_WARPS, **LAUNCH,
     )
     return out

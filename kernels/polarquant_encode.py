@@ -21,8 +21,10 @@ from triton.language.extra import libdevice
 
 from mmkv.codecs.base import CodecError, Encoded
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
-from mmkv.kernels.common import INTERPRET, LAUNCH, boundaries, count_less, device_tables, rows_of
-from mmkv.kernels.packing import pack_block
+from mmkv.kernels.common import (
+    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, vector,
+)
+from mmkv.kernels.packing import pack_plane
 from mmkv.kernels.rotation import fwht
 
 _LUT = 256  # entries per level in the packed centroid / threshold tables (bits <= 8)
@@ -55,24 +57,25 @@ def atan2(y, x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _level(r, t_ptr, out_ptr, row_base, t0, n_tok, BT: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
-           FIRST: tl.constexpr, INTERP: tl.constexpr):
+def _level(r, t_ptr, n_ptr, out_ptr, row_base, t0, n_tok, vr, BT: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+           FIRST: tl.constexpr, INTERP: tl.constexpr, CELLS: tl.constexpr, V: tl.constexpr):
     # r [BT, 2N]: pairs (a, b) -> angle codes [BT, N] packed into this level's plane, radii [BT, N] returned.
     a, b = tl.split(tl.reshape(r, (BT, N, 2)))
     psi = atan2(b, a, INTERP)
     if FIRST:
         psi = tl.where(psi < 0, psi + 6.283185307179586, psi)  # [0, 2 pi)
-    codes = count_less(psi, t_ptr, (1 << BITS) - 1)
-    pack_block(codes, out_ptr, row_base, t0, n_tok, BT, N, N, BITS, 0, 0, N)
+    codes = search(psi, t_ptr, n_ptr, (1 << BITS) - 1, CELLS)
+    pack_plane(codes, out_ptr, row_base, t0, n_tok, vr, BT, N, BITS, V)
     return tl.sqrt_rn(a * a + b * b)
 
 
 @triton.jit
 def _polarquant_encode_kernel(
-    x_ptr, s_ptr, t_ptr, a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr,
-    T, scale, rb1, rb2, rb3, rb4,
+    x_ptr, s_ptr, t_ptr, n_ptr, a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr,
+    T, scale, rb1, rb2, rb3, rb4, vr,
     D: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr,
-    LUT: tl.constexpr, INTERP: tl.constexpr,
+    LUT: tl.constexpr, INTERP: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+    V: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
@@ -82,13 +85,16 @@ def _polarquant_encode_kernel(
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok
-    x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
+    x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V)  # one token a thread
     s = tl.load(s_ptr + jj).to(tl.float32)
     u = fwht(x.to(tl.float32) * s[None, :], BT, D) * scale
-    r = _level(u, t_ptr, a1_ptr, row64 * rb1, t0, n_tok, BT, D // 2, B1, True, INTERP)
-    r = _level(r, t_ptr + LUT, a2_ptr, row64 * rb2, t0, n_tok, BT, D // 4, B2, False, INTERP)
-    r = _level(r, t_ptr + 2 * LUT, a3_ptr, row64 * rb3, t0, n_tok, BT, D // 8, B3, False, INTERP)
-    r = _level(r, t_ptr + 3 * LUT, a4_ptr, row64 * rb4, t0, n_tok, BT, D // 16, B4, False, INTERP)
+    TS: tl.constexpr = LUT + 4  # a level's search table: [lo, 1/w, -inf, t..., +inf], padded
+    r = _level(u, t_ptr, n_ptr, a1_ptr, row64 * rb1, t0, n_tok, vr, BT, D // 2, B1, True, INTERP, C1, V)
+    r = _level(r, t_ptr + TS, n_ptr + C1, a2_ptr, row64 * rb2, t0, n_tok, vr, BT, D // 4, B2, False, INTERP, C2, V)
+    r = _level(r, t_ptr + 2 * TS, n_ptr + C1 + C2, a3_ptr, row64 * rb3, t0, n_tok, vr, BT, D // 8, B3, False, INTERP,
+               C3, V)
+    r = _level(r, t_ptr + 3 * TS, n_ptr + C1 + C2 + C3, a4_ptr, row64 * rb4, t0, n_tok, vr, BT, D // 16, B4, False,
+               INTERP, C4, V)
     NB: tl.constexpr = D // 16
     kb = tl.arange(0, NB)
     tl.store(radius_ptr + row64 * T * NB + (t0 + tt).to(tl.int64)[:, None] * NB + kb[None, :], r, mask=tmask[:, None])
@@ -101,12 +107,17 @@ def supports(codec) -> bool:
 def _tables(codec, device: torch.device) -> dict:
     def build():
         cent = torch.zeros(DEPTH, _LUT)
-        thr = torch.full((DEPTH, _LUT), float("inf"))
+        thr = torch.full((DEPTH, _LUT + 4), float("inf"))
+        counts, cells = [], []
         for level, bits in enumerate(codec.level_bits, start=1):
             c = angle_codebook(level, bits).float()
             cent[level - 1, : c.numel()] = c
-            thr[level - 1, : c.numel() - 1] = boundaries(c)
-        return {"signs": codec.rotation.signs[0], "cent": cent, "thr": thr}
+            tab = search_table(c)
+            thr[level - 1, : tab["t"].numel()] = tab["t"]
+            counts.append(tab["n"])
+            cells.append(tab["n"].numel() if tab["n"].numel() > 1 else 0)
+        return {"signs": codec.rotation.signs[0], "cent": cent, "thr": thr, "n": torch.cat(counts),
+                "cells": torch.tensor(cells)}
 
     return device_tables(codec, device, "polarquant", build)
 
@@ -125,12 +136,15 @@ def encode(codec, x: torch.Tensor) -> Encoded:
         planes.append(torch.empty(*lead, n, dtype=torch.uint8, device=dev))
         row_bytes.append(n)
     radius = torch.empty(*lead, T, nb, dtype=torch.float32, device=dev)
-    bt = 32 if D <= 128 else 16
+    bt = 32 * ROWS_WARPS  # one token a thread
+    v = min(vector(x.dtype), D)
     if rows and T:
         b1, b2, b3, b4 = codec.level_bits
         _polarquant_encode_kernel[(triton.cdiv(T, bt), rows)](
-            x, tab["signs"], tab["thr"], *planes, radius, T, 1.0 / math.sqrt(D), *row_bytes,
-            D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET, num_warps=4, **LAUNCH,
+            x, tab["signs"], tab["thr"], tab["n"], *planes, radius, T, 1.0 / math.sqrt(D), *row_bytes, v,
+            D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET,
+            **dict(zip(("C1", "C2", "C3", "C4"), (int(c) for c in tab["cells"].cpu()))), V=v, num_warps=ROWS_WARPS,
+            **LAUNCH,
         )
     tensors = {f"angles{level}": p for level, p in enumerate(planes, start=1)}
     r16 = radius.to(torch.float16)

@@ -1,9 +1,8 @@
 """Triton Walsh-Hadamard transforms, the kernel twin of `mmkv.codecs.rotation` (codecs.md 1.1).
 
 `fwht` is the butterfly of `hadamard_transform` in the same order (pairs at distance 1, 2, 4, ...), so in fp32 it is
-bit-identical to the reference; codec kernels call it on [BT, D] register blocks. `rows_dot` is the tensor-core form:
-x @ M for a constant +-1 matrix M in bf16/fp16 with fp32 accumulation, exact products but another summation order
-(an ulp or so off the butterfly), used where encode speed matters (docs/decisions.d/kernels_codec.md).
+bit-identical to the reference; codec kernels call it on [BT, D] register blocks that hold one token per thread
+(`mmkv.kernels.common.load_rows`), where it costs one add an entry and stage and no data movement.
 
 `rotate(x, signs, inverse)` is the standalone kernel: u = H(s * x) forward, x = s * H(u) inverse, one sign vector per
 head on dim -3, exactly `RandomizedHadamard.forward/inverse` (signs=None: the plain normalised H, OScaR's rotation).
@@ -18,66 +17,43 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import CodecError
-from mmkv.codecs.rotation import hadamard_matrix, is_pow2
-from mmkv.kernels.common import LAUNCH, cast_to
-
-
-@triton.jit
-def _butterfly(y, BT: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
-    # One stage on [BT, D/(2H), 2, H]: (a, b) -> (a + b, a - b), as `hadamard_transform` stacks them. The pair axis is
-    # reduced (a + b and a*1 + b*(-1), both exact) and broadcast back, which keeps the data in registers/shuffles.
-    y4 = tl.reshape(y, (BT, D // (2 * H), 2, H))
-    first = (tl.arange(0, 2) == 0)[None, None, :, None]
-    plus = tl.sum(y4, axis=2)
-    minus = tl.sum(tl.where(first, y4, -y4), axis=2)
-    return tl.reshape(tl.where(first, plus[:, :, None, :], minus[:, :, None, :]), (BT, D))
+from mmkv.codecs.rotation import is_pow2
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, load_rows, store_rows, vector
 
 
 @triton.jit
 def fwht(y, BT: tl.constexpr, D: tl.constexpr):
-    """Unnormalised Sylvester transform of each row of y[BT, D] (fp32), bit-identical to the reference butterfly."""
+    """Unnormalised Sylvester transform of each row of y[BT, D] (fp32), bit-identical to the reference butterfly:
+    stage h splits the row into (a, b) halves of 2h-blocks and makes (a + b, a - b), as `hadamard_transform` stacks
+    them. With a row in one thread (`load_rows`) every stage is register renaming plus one add an entry."""
     for s in tl.static_range(16):
         if (1 << s) < D:
-            y = _butterfly(y, BT, D, 1 << s)
+            y4 = tl.reshape(y, (BT, D // (2 << s), 2, 1 << s))
+            a, b = tl.split(tl.permute(y4, (0, 1, 3, 2)))
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BT, D))
     return y
 
 
 @triton.jit
-def rows_dot(x, m_ptr, K: tl.constexpr, NC: tl.constexpr, INTERP: tl.constexpr):
-    """x[BT, K] @ M[K, NC] with M (row-major, x's dtype) read from m_ptr; fp32 accumulation on tensor cores."""
-    m = tl.load(m_ptr + tl.arange(0, K)[:, None] * NC + tl.arange(0, NC)[None, :])
-    if INTERP:
-        return tl.dot(x.to(tl.float32), m.to(tl.float32))
-    return tl.dot(x, m)
-
-
-def hadamard_pm1(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The unnormalised +-1 Sylvester matrix (symmetric), exact in every float dtype."""
-    return torch.round(hadamard_matrix(d, torch.float64) * math.sqrt(d)).to(dtype)
-
-
-@triton.jit
 def _rotate_kernel(
-    x_ptr, s_ptr, out_ptr, T, NH, scale,
-    D: tl.constexpr, BT: tl.constexpr, SIGNS: tl.constexpr, INVERSE: tl.constexpr,
+    x_ptr, s_ptr, out_ptr, T, NH, scale, vr,
+    D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, VO: tl.constexpr, SIGNS: tl.constexpr, INVERSE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
     t0 = pid_t * BT
-    tt = tl.arange(0, BT)
-    jj = tl.arange(0, D)
-    mask = (t0 + tt < T)[:, None]
-    off = row.to(tl.int64) * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
-    y = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    n_tok = tl.minimum(T - t0, BT)
+    base = row.to(tl.int64) * T * D
+    y = load_rows(x_ptr, base, t0, n_tok, vr, BT, D, V).to(tl.float32)
     if SIGNS:
-        s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)[None, :]
+        s = tl.load(s_ptr + (row % NH) * D + tl.arange(0, D)).to(tl.float32)[None, :]
         if INVERSE:
             y = fwht(y, BT, D) * scale * s  # s * H(u)
         else:
             y = fwht(y * s, BT, D) * scale  # H(s * x)
     else:
         y = fwht(y, BT, D) * scale
-    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=mask)
+    store_rows(out_ptr, base, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr * VO // V, BT, D, VO)
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor | None = None, *, inverse: bool = False) -> torch.Tensor:
@@ -100,10 +76,10 @@ def rotate(x: torch.Tensor, signs: torch.Tensor | None = None, *, inverse: bool 
         nh = signs.shape[0]
         if nh > 1 and (x.dim() < 3 or x.shape[-3] != nh):
             raise CodecError(f"{nh} sign vectors need x[..., {nh}, T, {d}], got {tuple(x.shape)}")
-    bt = max(1, min(64, 4096 // d))
-    grid = (triton.cdiv(T, bt), rows)
-    _rotate_kernel[grid](
-        x, signs if signs is not None else x, out, T, nh, 1.0 / math.sqrt(d),
-        D=d, BT=bt, SIGNS=signs is not None, INVERSE=inverse, **LAUNCH,
+    bt = 32 * ROWS_WARPS
+    v, vo = min(vector(x.dtype), d), min(vector(out.dtype), d)
+    _rotate_kernel[(triton.cdiv(T, bt), rows)](
+        x, signs if signs is not None else x, out, T, nh, 1.0 / math.sqrt(d), v,
+        D=d, BT=bt, V=v, VO=vo, SIGNS=signs is not None, INVERSE=inverse, num_warps=ROWS_WARPS, **LAUNCH,
     )
     return out

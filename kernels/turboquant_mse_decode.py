@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of
-from mmkv.kernels.packing import unpack_block
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, head_count, rows_of, store_rows, vector
+from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  (same parameter range)
 
@@ -20,8 +20,8 @@ from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  
 @triton.jit
 def _turboquant_decode_kernel(
     idx_ptr, idx_hi_ptr, norm_ptr, lo_c_ptr, hi_c_ptr, s_ptr, out_ptr,
-    T, NH, scale, lo_row_bytes, hi_row_bytes,
-    D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr, HI: tl.constexpr,
+    T, NH, scale, lo_row_bytes, hi_row_bytes, vr,
+    D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, B: tl.constexpr, HI: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
@@ -30,22 +30,22 @@ def _turboquant_decode_kernel(
     n_tok = tl.minimum(T - t0, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
-    tmask = tt < n_tok
-    val = tl.zeros((BT, D), tl.float32)
-    if HI < D:
-        lo = unpack_block(idx_ptr, row64 * lo_row_bytes, t0, n_tok, BT, D, D - HI, B, HI, 0, D - HI)
-        val = tl.load(lo_c_ptr + lo)
-    if HI > 0:
+    if HI == 0:
+        val = tl.load(lo_c_ptr + unpack_rows(idx_ptr, row64 * T * (D * B // 8), t0, n_tok, vr, BT, D, B, V))
+    else:
+        val = tl.zeros((BT, D), tl.float32)
+        if HI < D:
+            lo = unpack_block(idx_ptr, row64 * lo_row_bytes, t0, n_tok, BT, D, D - HI, B, HI, 0, D - HI)
+            val = tl.load(lo_c_ptr + lo)
         hi = unpack_block(idx_hi_ptr, row64 * hi_row_bytes, t0, n_tok, BT, D, HI, B + 1, 0, 0, HI)
         val = tl.where((jj < HI)[None, :], tl.load(hi_c_ptr + hi), val)
-    norm = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
+    norm = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tt < n_tok, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)
     y = fwht(norm[:, None] * val, BT, D) * scale * s[None, :]
-    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
-    tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
+    store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
 
 
-def decode(codec, enc, dtype: torch.dtype, *, bt: int | None = None, warps: int = 4) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for TurboQuant-MSE on the kernel: [..., T, D] in `dtype`."""
     *lead, T, D = enc.shape
     t = enc.tensors
@@ -59,12 +59,14 @@ def decode(codec, enc, dtype: torch.dtype, *, bt: int | None = None, warps: int 
     hi = codec.hi
     idx = t["idx"].contiguous() if hi < D else None
     idx_hi = t["idx_hi"].contiguous() if hi else None
-    bt = bt or (32 if D <= 128 else 16)
+    warps = warps or ROWS_WARPS
+    bt = 32 * warps  # one token a thread
+    v = min(vector(dtype), D)
     _turboquant_decode_kernel[(triton.cdiv(T, bt), rows)](
         idx if idx is not None else idx_hi, idx_hi if idx_hi is not None else idx, norm,
         tab["lo_c"], tab["hi_c"], tab["signs"], out,
         T, head_count(codec), 1.0 / math.sqrt(D),
-        idx.shape[-1] if idx is not None else 0, idx_hi.shape[-1] if idx_hi is not None else 0,
-        D=D, BT=bt, B=codec.b, HI=hi, num_warps=warps, **LAUNCH,
+        idx.shape[-1] if idx is not None else 0, idx_hi.shape[-1] if idx_hi is not None else 0, v,
+        D=D, BT=bt, V=v, B=codec.b, HI=hi, num_warps=warps, **LAUNCH,
     )
     return out

@@ -1,10 +1,10 @@
 """TurboQuant-prod encode + pack in one pass, the kernel twin of `TurboQuantProdCodec._encode` (codecs.md 2.3,
 Algorithm 2; reference `mmkv/codecs/turboquant_prod.py`).
 
-One program codes BT tokens of one row: n = ||x||, u = H(s * x/n), (b-1)-bit nearest centroids, the residual
+One program codes BT tokens of one row: n = ||x||, u = H(s * x) / n, (b-1)-bit nearest centroids, the residual
 r = s * H(u - c[idx]) back in the original basis, its 1-bit sketch sign(S r) (S the per-head i.i.d. Gaussian d x d
-matrix, sign(0) = +1) and gamma = ||r||. The MSE stage is the reference's arithmetic (bit-identical codes for the same
-n); S r is an fp32 matrix product in another summation order than torch's, so a sign may differ where S r is within
+matrix, sign(0) = +1) and gamma = ||r||. The MSE stage rounds like TurboQuant-MSE's kernel (a code can move where u is within an ulp
+or two of a boundary); S r is an fp32 matrix product in another summation order than torch's, so a sign may differ where S r is within
 rounding of 0 (docs/decisions.d/kernels_codec.md).
 """
 
@@ -18,21 +18,21 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import INTERPRET, LAUNCH, boundaries, count_less, device_tables, head_count, rows_of
-from mmkv.kernels.octopus_encode import rotation_mode
+from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of, search, search_table
 from mmkv.kernels.packing import pack_block
-from mmkv.kernels.rotation import fwht, hadamard_pm1, rows_dot
+from mmkv.kernels.rotation import fwht
 
-# fp32 products for the sketch: a sign is only as good as S r is accurate near 0.
-SKETCH_PRECISION = "ieee"
+# Products with the Gaussian sketch on tensor cores in three TF32 passes (about fp32 accuracy: a sign is only as
+# good as S r is accurate near 0); the interpreter computes them in fp32.
+SKETCH_PRECISION = "tf32x3"
 
 
 @triton.jit
 def _turboquant_prod_encode_kernel(
-    x_ptr, s_ptr, mat_ptr, t_ptr, c_ptr, sk_ptr, idx_ptr, qjl_ptr, rnorm_ptr, norm_ptr,
+    x_ptr, s_ptr, t_ptr, n_ptr, c_ptr, sk_ptr, idx_ptr, qjl_ptr, rnorm_ptr, norm_ptr,
     T, NH, scale, idx_row_bytes, qjl_row_bytes,
-    D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr, MMA: tl.constexpr, INTERP: tl.constexpr,
-    PREC: tl.constexpr,
+    D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr,
+    PREC: tl.constexpr, CELLS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     row = tl.program_id(1)
@@ -46,13 +46,10 @@ def _turboquant_prod_encode_kernel(
     x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
     xf = x.to(tl.float32)
     norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
-    safe = tl.where(norm > 0, norm, 1.0)[:, None]
+    inv = tl.math.div_rn(scale, tl.where(norm > 0, norm, 1.0))[:, None]  # 1/n after the rotation
     s = tl.load(s_ptr + head * D + jj).to(tl.float32)
-    if MMA:
-        u = tl.math.div_rn(rows_dot((xf * s[None, :]).to(x.dtype), mat_ptr, D, D, INTERP) * scale, safe)
-    else:
-        u = fwht(tl.math.div_rn(xf, safe) * s[None, :], BT, D) * scale
-    idx = count_less(u, t_ptr, (1 << (B - 1)) - 1)  # step 1
+    u = fwht(xf * s[None, :], BT, D) * inv
+    idx = search(u, t_ptr, n_ptr, (1 << (B - 1)) - 1, CELLS)  # step 1
     r = fwht(u - tl.load(c_ptr + idx), BT, D) * scale * s[None, :]  # step 2: x1 - Pi^T c[idx]
     # step 3: sign(S r); S^T is read as [k, i] = S[i, k]
     st = tl.load(sk_ptr + head.to(tl.int64) * D * D + jj[None, :] * D + jj[:, None])
@@ -72,22 +69,20 @@ def _tables(codec, device: torch.device) -> dict:
         codec, device, "turboquant-prod",
         lambda: {
             "signs": codec.rotation.signs,
-            "t": boundaries(codec.mse_q.centroids),
+            **search_table(codec.mse_q.centroids),
             "c": codec.mse_q.centroids,
             "sketch": codec.sketch.float(),  # [H, m = d, d]
         },
     )
 
 
-def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for TurboQuant-prod on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
     rows = rows_of(x)
     dev = x.device
     tab = _tables(codec, dev)
-    mma = (rotation or rotation_mode(x.dtype)) == "mma" and x.dtype in (torch.bfloat16, torch.float16)
-    mat = device_tables(codec, dev, f"hadamard-{x.dtype}", lambda: {"h": hadamard_pm1(D, x.dtype)})["h"] if mma else x
     idx_bytes = (T * D * (codec.b - 1) + 7) // 8
     qjl_bytes = (T * D + 7) // 8
     idx = torch.empty(*lead, idx_bytes, dtype=torch.uint8, device=dev)
@@ -97,9 +92,10 @@ def encode(codec, x: torch.Tensor, *, rotation: str | None = None) -> Encoded:
     bt = 32 if D <= 64 else 16
     if rows and T:
         _turboquant_prod_encode_kernel[(triton.cdiv(T, bt), rows)](
-            x, tab["signs"], mat, tab["t"], tab["c"], tab["sketch"], idx, qjl, rnorm, norm,
+            x, tab["signs"], tab["t"], tab["n"], tab["c"], tab["sketch"], idx, qjl, rnorm, norm,
             T, head_count(codec), 1.0 / math.sqrt(D), idx_bytes, qjl_bytes,
-            D=D, BT=bt, B=codec.b, MMA=mma, INTERP=INTERPRET, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
+            D=D, BT=bt, B=codec.b, PREC=SKETCH_PRECISION,
+            CELLS=tab["n"].numel() if tab["n"].numel() > 1 else 0, num_warps=4, **LAUNCH,
         )
     where = f"codec {codec.config} (layer {codec.layer})"
     return Encoded(
