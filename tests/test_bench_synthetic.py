@@ -121,10 +121,14 @@ def test_sweep_configs_follow_app_d():
     assert [d for d, _ in syn.octopus_sweep_configs(2)] == [-1, 0, 1, 2]  # (0, 4): no 0-bit direction
 
 
-def test_seed_axis_probe():
-    assert syn.seed_axis(CodecConfig.parse("octopus:b=2"), 64) == "heads"
-    assert syn.seed_axis(CodecConfig.parse("oscar:bits=2"), 64) == "loop"  # per-token norm over all heads
-    assert syn.seed_axis(CodecConfig.parse("polarquant:b=2"), 64) == "loop"  # one rotation shared by all heads
+def test_every_seed_has_its_own_rotation():
+    x = torch.randn(3, 16, 64)
+    p = syn.Protocol(dim=64)
+    codecs = [c for c, _, _ in syn.encode_seeds(CodecConfig.parse("octopus:b=2"), x, p, "reconstruction")]
+    signs = [c.rotation.signs for c in codecs]
+    assert not torch.equal(signs[0], signs[1]) and not torch.equal(signs[1], signs[2])
+    again = [c for c, _, _ in syn.encode_seeds(CodecConfig.parse("octopus:b=2"), x, p, "reconstruction")]
+    assert torch.equal(again[1].rotation.signs, signs[1])
 
 
 def test_codec_list_parsing():

@@ -14,11 +14,13 @@ Protocol (OCTOPUS seed section 4.1; codecs.md section 6.0):
 - iso-rate: TurboQuant-MSE with `hi` of its d rotated coordinates at one more bit, `hi` chosen so that its measured
   effective bits equal each default OCTOPUS point's (codecs.md section 6.4, A1).
 
-Batching: all seeds of one codec config are encoded in one call, the seed axis being the codec's head axis (dim -3),
-so every seed gets its own rotation signs (one per head, codecs.md A3); chunks of `SEED_CHUNK` seeds use a codec built
-with `seed = derive_seed(--seed, section, chunk)`. A codec whose heads are coupled (OScaR's per-token norm over all
-heads) or share one rotation (PolarQuant) is detected once by a probe (`seed_axis`) and then run one seed at a time,
-seed s with its own single-head codec built with `seed = derive_seed(--seed, section, "seed", s)`.
+Seeds and speed: seed s of each section gets its own single-head codec built with seed = derive_seed(--seed, section,
+s), hence its own rotation (codecs.md A3), sketch or k-means init; data come from private generators keyed by the
+seed, so seed s sees the same keys whatever --seeds is. We measured the alternatives on 2 shared cores: stacking seeds
+on the head axis (dim -3) in chunks of 8 was ~1.5x slower than one seed per call (temporaries above glibc's 32 MB mmap
+threshold page-fault on every call), and would need care for OScaR (one token norm over all heads) and PolarQuant (one
+rotation shared by all heads). What is parallel is codec configs: `--jobs` worker threads with one intra-op thread
+each (two OpenMP threads per op were 2-3x slower than one on the contended box).
 """
 
 from __future__ import annotations
@@ -37,9 +39,6 @@ from typing import Any
 import torch
 
 from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, build, derive_seed, get_codec_class, names
-
-# Seeds per encode call. Fixed (not derived from the machine) so that results do not depend on where they ran.
-SEED_CHUNK = 8
 
 # Codecs left out of the default run: the byte-exact baseline.
 EXCLUDED_BY_DEFAULT = ("identity",)
@@ -120,56 +119,17 @@ def needle_data(p: Protocol) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # Running a codec over many seeds
 
 
-_SEED_AXIS: dict[str, str] = {}
-
-
-def seed_axis(config: CodecConfig, dim: int) -> str:
-    """How seeds are batched for this codec: "heads" (seed s = head s of one multi-head codec) or "loop" (one
-    single-head codec per seed).
-
-    Seeds may ride the head axis only if (1) head h's output depends only on head h's input (OScaR pools a per-token
-    norm over all heads: it does not) and (2) every head gets its own randomness, or the codec has none (PolarQuant
-    shares one rotation across heads, as its paper does: it does not). Both are probed once on random data.
-    """
-    key = f"{config}@{dim}"
-    if key not in _SEED_AXIS:
-        g = torch.Generator().manual_seed(derive_seed(0, "seed-axis-probe", dim))
-        x = torch.randn(2, 64, dim, generator=g)
-        other = x.clone()
-        other[1] = 3.0 * torch.randn(64, dim, generator=g)
-        same = torch.stack((x[0], x[0]))
-
-        def dec(codec: Codec, v: torch.Tensor) -> torch.Tensor:
-            return codec.decode(codec.encode(v), dtype=torch.float32)
-
-        c0 = build(config, head_dim=dim, num_heads=2, seed=0)
-        c1 = build(config, head_dim=dim, num_heads=2, seed=1)
-        independent = torch.equal(dec(c0, x)[0], dec(c0, other)[0])
-        d_same = dec(c0, same)
-        shared = torch.equal(d_same[0], d_same[1])
-        seeded = not torch.equal(d_same, dec(c1, same))
-        _SEED_AXIS[key] = "heads" if independent and (not shared or not seeded) else "loop"
-    return _SEED_AXIS[key]
-
-
-def _chunks(total: int, size: int) -> list[range]:
-    return [range(i, min(i + size, total)) for i in range(0, total, size)]
-
-
 def encode_seeds(config: CodecConfig, x: torch.Tensor, p: Protocol, section: str):
-    """Yield (codec, encoded, index range) over chunks of the seed axis (dim 0 of x[S, T, d])."""
-    if seed_axis(config, p.dim) == "heads":
-        for c, idx in enumerate(_chunks(x.shape[0], SEED_CHUNK)):
-            codec = build(config, head_dim=p.dim, num_heads=len(idx), seed=derive_seed(p.seed, section, c))
-            yield codec, codec.encode(x[idx.start : idx.stop]), idx
-    else:
-        for s in range(x.shape[0]):
-            codec = build(config, head_dim=p.dim, num_heads=1, seed=derive_seed(p.seed, section, "seed", s))
-            yield codec, codec.encode(x[s]), range(s, s + 1)
+    """Yield (codec, encoded, seed) for each seed s of x[S, T, d]: one single-head codec per seed, built with
+    seed = derive_seed(--seed, section, s), so every seed has its own rotation (and sketch, and k-means init)."""
+    for s in range(x.shape[0]):
+        codec = build(config, head_dim=p.dim, seed=derive_seed(p.seed, section, s))
+        yield codec, codec.encode(x[s]), s
 
 
 def _scores(codec: Codec, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
-    return codec.scores(q if codec.num_heads > 1 else q[0], enc).reshape(q.shape[0], q.shape[1], -1).float()
+    """q[m, d] -> the codec's own score estimates [m, T] (fp32)."""
+    return codec.scores(q, enc).float()
 
 
 def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
@@ -182,27 +142,26 @@ def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
 def measure_reconstruction(config: CodecConfig, keys: torch.Tensor, queries: torch.Tensor, p: Protocol) -> dict:
     mse, cos, ip, bias = [], [], [], []
     nbytes = numel = 0
-    for codec, enc, idx in encode_seeds(config, keys, p, "reconstruction"):
-        k = keys[idx.start : idx.stop]
-        q = queries[idx.start : idx.stop]
-        k_hat = codec.decode(enc, dtype=torch.float32).reshape(k.shape)
+    for codec, enc, s in encode_seeds(config, keys, p, "reconstruction"):
+        k, q = keys[s], queries[s]
+        k_hat = codec.decode(enc, dtype=torch.float32)
         nbytes += codec.nbytes(enc)
         numel += k.numel()
         mse.append((((k - k_hat) ** 2).sum(-1) / (k**2).sum(-1)).mean(-1))
         cos.append(torch.nn.functional.cosine_similarity(k, k_hat, dim=-1, eps=1e-30).mean(-1))
         err = _scores(codec, q, enc) - q @ k.transpose(-1, -2)
-        ip.append(err.abs().mean((-1, -2)))
-        bias.append(err.mean((-1, -2)))
-    mse_m, mse_se = _mean_se(torch.cat(mse))
-    ip_m, ip_se = _mean_se(torch.cat(ip))
+        ip.append(err.abs().mean())
+        bias.append(err.mean())
+    mse_m, mse_se = _mean_se(torch.stack(mse))
+    ip_m, ip_se = _mean_se(torch.stack(ip))
     return {
         "effective_bits": 8.0 * nbytes / numel,
         "mse": mse_m,
         "mse_se": mse_se,
-        "cosine": float(torch.cat(cos).double().mean()),
+        "cosine": float(torch.stack(cos).double().mean()),
         "ip_error": ip_m,
         "ip_error_se": ip_se,
-        "ip_bias": float(torch.cat(bias).double().mean()),
+        "ip_bias": float(torch.stack(bias).double().mean()),
     }
 
 
@@ -218,9 +177,8 @@ def measure_needle(config: CodecConfig | None, keys: torch.Tensor, queries: torc
     if config is None:
         return _mean_se(needle_mass_from_scores(queries @ keys.transpose(-1, -2), pos, p.dim))
     masses = []
-    for codec, enc, idx in encode_seeds(config, keys, p, "needle"):
-        s = _scores(codec, queries[idx.start : idx.stop], enc)
-        masses.append(needle_mass_from_scores(s, pos[idx.start : idx.stop], p.dim))
+    for codec, enc, s in encode_seeds(config, keys, p, "needle"):
+        masses.append(needle_mass_from_scores(_scores(codec, queries[s], enc)[None], pos[s : s + 1], p.dim))
     return _mean_se(torch.cat(masses))
 
 
