@@ -412,6 +412,9 @@ def tables(rows: list[dict], p: Protocol, notes: list[str] | None = None) -> lis
         f"{p.seeds} seeds; needle: 1 in T={p.needle_tokens} distractors x {p.needle_seeds} seeds", t1, main,
         ["eff. bits: measured from the stored bytes, side information included.",
          "IP error: mean |q.k - score| with the codec's own estimator; needle: softmax mass on the needle."]
+        + [f"{n}: a span codec; its per-span tables are amortised over one seed's {p.keys} keys ({p.needle_tokens + 1} "
+           f"in the needle), not over the longer spans it is designed for" for n in sorted(
+               {r["codec"] for r in t1 if r["codec"] in names() and get_codec_class(r["codec"]).span_codec})]
         + list(notes or []))]
     sw = [r for r in rows if r["section"] == "sweep"]
     if sw:
@@ -472,13 +475,20 @@ def write_plot(rows: list[dict], path: Path, p: Protocol) -> None:
         series.setdefault(label, []).append(r)
     colors = plt.get_cmap("tab20").colors
     for i, (label, rs) in enumerate(sorted(series.items())):
-        rs = sorted(rs, key=lambda r: r["effective_bits"])
         style = dict(color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], marker="osD^v<>ph*"[i % 10], ms=4,
-                     ls=":" if "sweep" in label else ("--" if "iso-rate" in label else "-"))
-        ax_m.plot([r["effective_bits"] for r in rs], [max(r["mse"], 1e-12) for r in rs], label=label, **style)
-        nd = [r for r in rs if r["needle_mass"] is not None]
-        if nd:
-            ax_n.plot([r["effective_bits"] for r in nd], [r["needle_mass"] for r in nd], label=label, **style)
+                     ls="--" if "iso-rate" in label else "-")
+        # A sweep is one curve per b (delta runs along it); everything else one curve along its bits.
+        groups = [[r for r in rs if r["bits"] == b] for b in sorted({r["bits"] for r in rs})] if "sweep" in label \
+            else [rs]
+        if "sweep" in label:
+            style["ls"] = ":"
+        for j, g in enumerate(groups):
+            g = sorted(g, key=lambda r: r["effective_bits"])
+            kw = dict(style, label=label if j == 0 else None)
+            ax_m.plot([r["effective_bits"] for r in g], [max(r["mse"], 1e-12) for r in g], **kw)
+            nd = [r for r in g if r["needle_mass"] is not None]
+            if nd:
+                ax_n.plot([r["effective_bits"] for r in nd], [r["needle_mass"] for r in nd], **kw)
     fp32 = [r for r in rows if r["codec"] == "fp32"]
     if fp32:
         ax_n.axhline(fp32[0]["needle_mass"], color="k", lw=0.8, ls="--", label="fp32")
