@@ -122,7 +122,7 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     x = make_input((B, H, T, D))
     row = {"preset": preset, "shape": shape_name}
     variants = [None]
-    if preset in ("octopus:b=3", "turboquant-mse:b=4") and not args.quick:
+    if preset in ("octopus:b=3", "turboquant-mse:b=4") and not (args.quick or args.no_variants):
         variants += VARIANTS
     if warm_only:
         for v in variants:
@@ -157,6 +157,8 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="video shape only, no launch variants")
+    p.add_argument("--shape", choices=["both", "video", "llm"], default="both", help="which shapes (default both)")
+    p.add_argument("--no-variants", action="store_true", help="skip the launch-variant timings")
     p.add_argument("--only", action="append", help="preset(s) to run (default: all)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--jobs", type=int, default=0, help="compile in this many worker processes first")
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
         print("gpu_check_codecs: no CUDA device")
         return 2
     presets = args.only or PRESETS
-    shapes = ["video"] if args.quick else ["video", "llm"]
+    shapes = ["video"] if args.quick else (["video", "llm"] if args.shape == "both" else [args.shape])
     if args.jobs and not args.warm_only:
         t0 = time.time()
         procs, failed = [], []
