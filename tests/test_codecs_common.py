@@ -56,17 +56,6 @@ ALL = _presets()
 PRESET_IDS = [p for p, _ in ALL]
 BOUND = dict(ALL)
 
-# Known bug (reported to the lead): IdentityCodec._decode returns the stored dtype, not fp32 as the protocol says, so
-# the default Codec.scores (q.float() @ k^T) raises for identity on non-fp32 storage. Strict: passes once fixed.
-_IDENTITY_SCORES_BUG = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="identity._decode returns the stored dtype; Codec.scores needs fp32"
-)
-
-
-def _with_scores_bug(presets: list[str], failing: set[str]) -> list:
-    return [pytest.param(p, marks=_IDENTITY_SCORES_BUG) if p in failing else p for p in presets]
-
-
 def _cls(preset: str):
     return get_codec_class(CodecConfig.parse(preset).name)
 
@@ -264,7 +253,7 @@ def test_unsupported_bits_are_refused(name):
 # Zeros
 
 
-@pytest.mark.parametrize("preset", _with_scores_bug(PRESET_IDS, {"identity:dtype=bf16"}))
+@pytest.mark.parametrize("preset", PRESET_IDS)
 def test_zero_vectors_decode_to_zeros(preset):
     codec = build(preset, head_dim=64, num_heads=2, seed=2)
     enc = codec.encode(torch.zeros(2, 40, 64))
@@ -303,7 +292,7 @@ def _case(draw, preset: str):
     return head_dim, heads, shape, dtype, seed, scale, data_seed
 
 
-@pytest.mark.parametrize("preset", _with_scores_bug(PRESET_IDS, {"identity", "identity:dtype=bf16"}))
+@pytest.mark.parametrize("preset", PRESET_IDS)
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(data=st.data())
 def test_round_trip_property(preset, data):

@@ -35,7 +35,7 @@ class IdentityCodec(Codec):
         return Encoded(str(self.config), tuple(x.shape), x.dtype, {"x": stored})
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        return enc.tensors["x"]
+        return enc.tensors["x"].float()  # the protocol's reference decode is fp32 (scores() relies on it)
 
     def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
         if enc.codec != str(self.config):
