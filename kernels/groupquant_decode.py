@@ -14,7 +14,7 @@ import triton.language as tl
 from mmkv.kernels.common import LAUNCH, cast_to, rows_of, store_rows, vector
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
-from mmkv.kernels.rotation import fwht
+from mmkv.kernels.rotation import fwht, fwht_lanes
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def _minmax_decode_kernel(
         n = tl.load(norm_ptr + (row // NH).to(tl.int64) * T + t0 + tt, mask=tt < n_tok, other=1.0)
         y = y * n[:, None]
     if ROTATE:
-        y = fwht(y, BT, DP) * rscale
+        y = fwht(y, BT, DP) * rscale if ROWS else fwht_lanes(y, BT, DP) * rscale
     if ROWS:
         store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
     else:
@@ -78,7 +78,7 @@ def minmax_decode(
         return out
     dp = triton.next_power_of_2(D)
     channel = axis == "channel"
-    by_rows = row_layout(D, bits, channel, rotate)
+    by_rows = row_layout(D, bits, rotate)
     bt = block_tokens(group, dp, channel, by_rows)
     v = min(vector(dtype), D)
     _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](

@@ -17,18 +17,17 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import CodecError, Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, load_rows, rint, rows_of, vector
-from mmkv.kernels.packing import pack_block, pack_rows
-from mmkv.kernels.rotation import fwht
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of
+from mmkv.kernels.packing import pack_block
+from mmkv.kernels.rotation import fwht_lanes
 
 
 @triton.jit
 def _minmax_encode_kernel(
     x_ptr, norm_ptr, codes_ptr, scale_ptr, offset_ptr,
-    T, NH, rscale, row_bytes, NGT, vr,
+    T, NH, rscale, row_bytes, NGT,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROUNDED: tl.constexpr,
-    ROWS: tl.constexpr, V: tl.constexpr,
 ):
     LEVELS: tl.constexpr = (1 << BITS) - 1
     pid_t = tl.program_id(0)
@@ -39,13 +38,10 @@ def _minmax_encode_kernel(
     tt = tl.arange(0, BT)
     jj = tl.arange(0, DP)
     valid = (tt < n_tok)[:, None] & (jj < D)[None, :]
-    if ROWS:  # one token a thread (D = DP): the rotation and per-token groups are register work
-        x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=valid, other=0.0)
-        x = x.to(tl.float32)
+    x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=valid, other=0.0)
+    x = x.to(tl.float32)
     if ROTATE:  # OScaR's canalized rotation, no signs (oscar.md 2.4)
-        x = fwht(x, BT, DP) * rscale
+        x = fwht_lanes(x, BT, DP) * rscale
     if NORM:  # omni-token scaling: one norm per token over all KV heads (oscar.md 2.5)
         n = tl.load(norm_ptr + (row // NH).to(tl.int64) * T + t0 + tt, mask=tt < n_tok, other=1.0)
         x = tl.math.div_rn(x, n[:, None])
@@ -80,10 +76,7 @@ def _minmax_encode_kernel(
     y = tl.where(s_el > 0, tl.math.div_rn(x - o_el, tl.where(s_el > 0, s_el, 1.0)), 0.0)
     codes = rint(tl.minimum(tl.maximum(y, 0.0), LEVELS * 1.0)).to(tl.int32)
     codes = tl.where(valid, codes, 0)
-    if ROWS:
-        pack_rows(codes, codes_ptr, row64 * T * (D * BITS // 8), t0, n_tok, vr, BT, D, BITS, V)
-    else:
-        pack_block(codes, codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
+    pack_block(codes, codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
     if CHANNEL:  # [..., D, ceil(T/G)]: (channel j, token group g)
         gl = tl.arange(0, BT // G)
         g = t0 // G + gl
@@ -102,10 +95,11 @@ def supports_minmax(head_dim: int, group: int, bits: int) -> bool:
     return group >= 1 and (group & (group - 1)) == 0 and group <= 256 and 1 <= bits <= 8 and 1 <= head_dim <= 1024
 
 
-def row_layout(d: int, bits: int, channel: bool, rotate: bool) -> bool:
-    """One token a thread (`load_rows`) when the row is rotated or grouped along channels, and D is a power of two
-    whose codes fill whole bytes; KIVI's K (groups along tokens, no rotation) keeps the coalesced layout."""
-    return (rotate or not channel) and d >= 8 and (d & (d - 1)) == 0 and d <= 256 and (d * bits) % 8 == 0
+def row_layout(d: int, bits: int, rotate: bool) -> bool:
+    """Decode one token a thread (`store_rows`) when the row is rotated back (OScaR), D a power of two whose codes
+    fill whole bytes; otherwise, and for every encode, Triton's coalesced layout, which measured faster there
+    (docs/decisions.d/kernels_codec.md)."""
+    return rotate and d >= 8 and (d & (d - 1)) == 0 and d <= 256 and (d * bits) % 8 == 0
 
 
 def block_tokens(group: int, dp: int, channel: bool, rows: bool = False) -> int:
@@ -143,16 +137,13 @@ def minmax_encode(
     meta_shape = (*lead, D, ngt) if channel else (*lead, T, ng)
     scale = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
     offset = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
-    by_rows = row_layout(D, bits, channel, rotate)
-    bt = block_tokens(group, dp, channel, by_rows)
-    v = min(vector(x.dtype), D)
-    warps = max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8)
+    bt = block_tokens(group, dp, channel)
     if rows and T:
         _minmax_encode_kernel[(triton.cdiv(T, bt), rows)](
             x, norm if norm is not None else x, codes, scale, offset,
-            T, norm_heads, 1.0 / math.sqrt(D), row_bytes, ngt, v,
+            T, norm_heads, 1.0 / math.sqrt(D), row_bytes, ngt,
             D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
-            ROUNDED=zero_point == "rounded", ROWS=by_rows, V=v, num_warps=warps, **LAUNCH,
+            ROUNDED=zero_point == "rounded", num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
         )
     if scale.numel() and not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
         big = float(x.float().abs().max())

@@ -35,6 +35,28 @@ def fwht(y, BT: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _lanes_stage(y, BT: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+    # One stage on [BT, D/(2H), 2, H]: (a, b) -> (a + b, a - b). The pair axis is reduced (a + b and a*1 + b*(-1),
+    # both exact) and broadcast back, which stays in registers and warp shuffles when a row spans lanes.
+    y4 = tl.reshape(y, (BT, D // (2 * H), 2, H))
+    first = (tl.arange(0, 2) == 0)[None, None, :, None]
+    plus = tl.sum(y4, axis=2)
+    minus = tl.sum(tl.where(first, y4, -y4), axis=2)
+    return tl.reshape(tl.where(first, plus[:, :, None, :], minus[:, :, None, :]), (BT, D))
+
+
+@triton.jit
+def fwht_lanes(y, BT: tl.constexpr, D: tl.constexpr):
+    """`fwht` for rows spread over lanes (Triton's coalesced [BT, D] layout), also bit-identical to the reference.
+    The min-max encoders keep that layout: their loads and stores are then coalesced, which measured faster there
+    than one token a thread (docs/decisions.d/kernels_codec.md)."""
+    for s in tl.static_range(16):
+        if (1 << s) < D:
+            y = _lanes_stage(y, BT, D, 1 << s)
+    return y
+
+
+@triton.jit
 def _rotate_kernel(
     x_ptr, s_ptr, out_ptr, T, NH, scale, vr,
     D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, VO: tl.constexpr, SIGNS: tl.constexpr, INVERSE: tl.constexpr,
