@@ -9,7 +9,8 @@ Shapes: LLM-like K [8, 32, 8192, 128] and video-like K [1, 12, 4680, 128] (CausV
 input (fraction of differing packed bytes, largest relative difference of float side tensors, relative MSE of both
 reconstructions), and the kernel's decode of the reference's encoding against the reference decode (fraction of bf16
 outputs that differ, largest difference). `--jobs` compiles the kernels in parallel worker processes first (Triton's
-on-disk cache), so the timed process only loads them.
+on-disk cache), so the timed process only loads them. A cold compile of the OCTOPUS kernels takes about a minute each
+(their triplet shuffles unroll), so give a cold first run several minutes, or use `--only` / `--shape` / `--quick`.
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ def main(argv=None) -> int:
                     if pr.returncode:
                         failed.append(pre)
                         print(f"[warm] {pre} failed:\n{pr.stdout.read().decode()[-3000:]}")
+                    else:
+                        print(f"[warm] {pre} compiled ({time.time() - t0:.0f} s)", flush=True)
             time.sleep(0.2)
         print(f"[warm] compiled {len(presets)} presets in {time.time() - t0:.0f} s; failed: {failed or 'none'}")
     if not args.warm_only:
