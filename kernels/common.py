@@ -3,7 +3,7 @@
 
 Every codec kernel is launched with `enable_fp_fusion=False`: the torch references round each product before an add
 (separate kernels), and a fused multiply-add would round once, so fusion would move decoded values and codes by an
-ulp (docs/decisions.d/kernels_codec.md).
+ulp (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def cast_to(y, dtype: tl.constexpr):
 # [BT, D/V, V] chunks with a chunk stride `vr` (= V) that is a run-time argument: the compiler then only knows that
 # chunks are V-aligned, keeps the 16-byte vectors, and puts the tokens, not the chunks, on the lanes. A whole row
 # then lives in one thread, and the butterfly, norms, searches and bit packing are register work
-# (docs/decisions.d/kernels_codec.md).
+# (docs/decisions.md, "Codec kernels").
 
 
 @triton.jit

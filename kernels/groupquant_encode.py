@@ -98,7 +98,7 @@ def supports_minmax(head_dim: int, group: int, bits: int) -> bool:
 def row_layout(d: int, bits: int, rotate: bool) -> bool:
     """Decode one token a thread (`store_rows`) when the row is rotated back (OScaR), D a power of two whose codes
     fill whole bytes; otherwise, and for every encode, Triton's coalesced layout, which measured faster there
-    (docs/decisions.d/kernels_codec.md)."""
+    (docs/decisions.md, "Codec kernels")."""
     return rotate and d >= 8 and (d & (d - 1)) == 0 and d <= 256 and (d * bits) % 8 == 0
 
 

@@ -8,7 +8,7 @@ optionally the joint 3x3 rounding (step 7: best <t, n_hat> over the clamped neig
 coded from that inner product), then the `dir`, `rho` (and QJL sign) planes are packed straight from registers and gamma written in fp32 (the launcher rounds it to fp16 for norm=16 after
 the reference's overflow check). gamma's sum, the late 1/gamma and the reciprocal fold each round differently from the
 reference, so an intermediate can differ by an ulp or two and a code can move where it sits that close to a decision
-boundary (docs/decisions.d/kernels_codec.md).
+boundary (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

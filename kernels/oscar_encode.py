@@ -5,7 +5,7 @@ those over the KV heads and takes the root (n_t = 1 when not finite or <= 0), as
 `kernels/groupquant_encode.py` then rotates again, divides by n_t and quantises per channel over groups of G tokens
 with the rounded integer zero point. The per-head sums run in another order than torch's, so n_t may differ from the
 reference by an ulp, and a code may then differ where k^ sits within an ulp of a rounding boundary
-(docs/decisions.d/kernels_codec.md). V (role=v): rotation, then per-token groups of G channels; bit-identical.
+(docs/decisions.md, "Codec kernels"). V (role=v): rotation, then per-token groups of G channels; bit-identical.
 """
 
 from __future__ import annotations

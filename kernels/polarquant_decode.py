@@ -2,7 +2,7 @@
 `mmkv/codecs/polarquant.py`): the polar tree top-down, (r cos theta, r sin theta) per angle from level 4 to level 1,
 then the inverse rotation s * H(.) with the fp32 butterfly, cast once. On the GPU cos/sin are libdevice's cosf/sinf
 (what torch's CUDA kernels call); under the interpreter they are numpy's, which may differ from torch's CPU functions
-by an ulp (docs/decisions.d/kernels_codec.md).
+by an ulp (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

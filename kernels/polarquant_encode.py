@@ -7,7 +7,7 @@ angles atan2 of the previous radii, each level's angles coded to the nearest Llo
 own plane; the last radius per block is written in fp32 and rounded to fp16 by the launcher after the reference's
 overflow check. On the GPU atan2 is libdevice's atan2f (the function torch's CUDA atan2 calls); the interpreter has no
 libdevice, so there a Cephes-style atan2 (about 2 ulp) stands in and an angle code may differ where psi sits within
-that of a threshold (docs/decisions.d/kernels_codec.md).
+that of a threshold (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

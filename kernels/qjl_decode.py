@@ -1,6 +1,6 @@
 """QJL unpack + decode to the model dtype, the kernel twin of `QJLCodec._decode` (reference `mmkv/codecs/qjl.py`):
 k_hat = sqrt(pi/2)/m * nu * S^T z, the vector whose inner products are the QJL estimator. S^T z is an fp32 product
-in another summation order than torch's, so values agree to fp32 rounding (docs/decisions.d/kernels_codec.md).
+in another summation order than torch's, so values agree to fp32 rounding (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

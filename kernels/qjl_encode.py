@@ -2,7 +2,7 @@
 `mmkv/codecs/qjl.py`): per token the m = bits * d signs of S k (S the per-head i.i.d. Gaussian m x d matrix,
 sign(0) = +1), produced up to 128 rows of S at a time and packed straight into the token's bytes, and nu = ||k||.
 S k is an fp32 product in another summation order than torch's, so a sign may differ where S k is within rounding
-of 0 (docs/decisions.d/kernels_codec.md).
+of 0 (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def _lanes_stage(y, BT: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
 def fwht_lanes(y, BT: tl.constexpr, D: tl.constexpr):
     """`fwht` for rows spread over lanes (Triton's coalesced [BT, D] layout), also bit-identical to the reference.
     The min-max encoders keep that layout: their loads and stores are then coalesced, which measured faster there
-    than one token a thread (docs/decisions.d/kernels_codec.md)."""
+    than one token a thread (docs/decisions.md, "Codec kernels")."""
     for s in tl.static_range(16):
         if (1 << s) < D:
             y = _lanes_stage(y, BT, D, 1 << s)

@@ -5,7 +5,7 @@ One program codes BT tokens of one row: norm = ||x||, u = H(s * x/norm) (norm 0 
 nearest Lloyd-Max centroid (`searchsorted` on the cell boundaries, ties to the lower index), coordinates j < hi with
 the (b+1)-bit codebook into `idx_hi` and the rest with the b-bit one into `idx`, packed from registers. 1/norm is
 applied after the rotation (one division a token), so u can differ from the reference's by an ulp or two and a code
-can move where u sits that close to a cell boundary (docs/decisions.d/kernels_codec.md). The norm is
+can move where u sits that close to a cell boundary (docs/decisions.md, "Codec kernels"). The norm is
 written in fp32; the launcher applies the reference's fp16 check and rounding for norm=16.
 One token a thread (`mmkv.kernels.common.load_rows`): the butterfly, searches and packing are register work.
 """

@@ -1,7 +1,7 @@
 """TurboQuant-prod unpack + decode to the model dtype, the kernel twin of `TurboQuantProdCodec._decode` (Algorithm 2
 step 5; reference `mmkv/codecs/turboquant_prod.py`): x_hat = n * (s * H(c[idx]) + sqrt(pi/2)/d * gamma * S^T qjl).
 The MSE part is the reference's butterfly; S^T qjl is an fp32 product in another summation order than torch's, so
-decoded values agree to fp32 rounding (docs/decisions.d/kernels_codec.md).
+decoded values agree to fp32 rounding (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

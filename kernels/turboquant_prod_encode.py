@@ -5,7 +5,7 @@ One program codes BT tokens of one row: n = ||x||, u = H(s * x) / n, (b-1)-bit n
 r = s * H(u - c[idx]) back in the original basis, its 1-bit sketch sign(S r) (S the per-head i.i.d. Gaussian d x d
 matrix, sign(0) = +1) and gamma = ||r||. The MSE stage rounds like TurboQuant-MSE's kernel (a code can move where u is within an ulp
 or two of a boundary); S r is an fp32 matrix product in another summation order than torch's, so a sign may differ where S r is within
-rounding of 0 (docs/decisions.d/kernels_codec.md).
+rounding of 0 (docs/decisions.md, "Codec kernels").
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_oscar_beats_kivi_under_token_norm_imbalance():
 @pytest.mark.parametrize(
     "preset,expected",
     [
-        # Measured on n = 1024 Gaussian keys at d = 128 (see docs/decisions.d/minmax_polar.md).
+        # Measured on n = 1024 Gaussian keys at d = 128 (see docs/decisions.md).
         ("groupquant:bits=2,group=32", 0.1545),
         ("groupquant:bits=4,group=32", 0.0062),
         ("kivi:bits=2,group=32", 0.1571),

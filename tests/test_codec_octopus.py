@@ -27,7 +27,7 @@ SPEC_XI = {
 }
 # Entry-wise tolerance: 1e-3 as the spec asks, except where Monte-Carlo noise of a 100k-vector reference is itself
 # larger (many levels on a near-flat density: two independent 100k-vector draws differ by up to ~3e-3 there; see
-# docs/decisions.d/octopus.md). Those codebooks are also held to equal distortion below.
+# docs/decisions.md). Those codebooks are also held to equal distortion below.
 XI_TOL = {(128, 3): 1e-3, (128, 4): 1e-3, (128, 5): 2e-3, (64, 3): 1e-3, (64, 4): 3e-3, (64, 5): 3e-3}
 SPEC_RHO = {
     (128, 1): [0.09994, 0.19659],

@@ -309,7 +309,7 @@ def test_prod_is_unbiased_where_mse_is_not():
 
 def test_prod_table1_numbers():
     # Reconstruction error of Algorithm 2 in closed form: E||x1 - x1_hat||^2 = D_mse(b-1) * (pi/2 - 1/d) (QJL with
-    # m = d Gaussian rows); codecs.md 6.1 lists 0.5529 / 0.1775 / 0.0520, ~2% lower (docs/decisions.d/turboquant_qjl.md).
+    # m = d Gaussian rows); codecs.md 6.1 lists 0.5529 / 0.1775 / 0.0520, ~2% lower (docs/decisions.md).
     for b, dmse_lo, spec_ip in ((2, 0.36089, 6.684), (4, 0.03397, 2.045)):
         mse, ip = _table1(f"turboquant-prod:b={b}", seeds=2)
         assert mse == pytest.approx(dmse_lo * (math.pi / 2 - 1 / D), rel=0.03)

@@ -12,7 +12,7 @@ design: E_S ||k_hat - k||^2 = ((pi/2) d - 1)/m * ||k||^2, about 0.78 ||k||^2 at 
 S is plain i.i.d. Gaussian (Def. 3.1), which makes the estimator exactly unbiased; the official code orthogonalises
 S by QR in 128-row chunks and rescales rows to sqrt(d), which lowers variance but leaves an O(1/d) bias. The
 outlier-channel split of the official code (codecs.md 4.2) is not part of this codec
-(docs/decisions.d/turboquant_qjl.md).
+(docs/decisions.md).
 
 Stored per row of T tokens: `signs` (1-bit, one dense bit stream over T*m signs, bit 1 = +1) and `norm` (fp32 by
 default, fp16 optionally). Bits per key: m + 32 = bits*d + 32 (or + 16).

@@ -19,7 +19,7 @@ block, one uint8 id per token, head and stage, and each stage's bf16 centre tabl
 bits/value = b + 8/block * (1 + asym) + stages * 8/D + stages * centroids * 16/N. INT2, D = 128, block 64, 256
 centres and a 4680-token span (one 3-frame Wan chunk): 2.1875 + 4096/4680 = 3.06 bits.
 
-Deliberate choices (docs/decisions.d/qvg_long.md): centre sums are accumulated in fp64 (order-independent, so
+Deliberate choices (docs/decisions.md): centre sums are accumulated in fp64 (order-independent, so
 deterministic on any device, where the release uses fp32 atomics, §2.4); the init generator is reseeded per encode
 from (codec seed, layer, stage), never the global RNG (§2.4, rec #7); a zero E4M3 scale stores the zero code (§3.5);
 scales are clamped to the E4M3 maximum 448; codes use the project's one bit-packing layout (little-endian stream,

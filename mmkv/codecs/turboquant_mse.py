@@ -39,7 +39,7 @@ CODEBOOK_BITS = (1, 2, 3, 4, 5, 6)
 _KEY = re.compile(r"^d(\d+)_b(\d+)$")
 # Quadrature grid on the half range [0, 1]. The trainer iterates on grid points, so it stops at a discrete fixed
 # point a few grid cells from the continuous one: at 4M cells centroids are within ~3e-6 of a 30M-cell solution for
-# b <= 4 and ~5e-5 for b = 6 (docs/decisions.d/turboquant_qjl.md); the whole family builds in ~15 s on one core.
+# b <= 4 and ~5e-5 for b = 6 (docs/decisions.md); the whole family builds in ~15 s on one core.
 _GRID = 4_000_000
 
 
