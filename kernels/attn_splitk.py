@@ -332,6 +332,7 @@ class SplitKAttention:
     """
 
     name = "splitk"
+    max_queries = MAX_FUSED_QUERIES  # `mmkv.attention.attend` sends longer query blocks down decode + one SDPA call
 
     def __init__(self, k_config, v_config, *, splits: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, stages: int = 3):

@@ -220,6 +220,10 @@ def attend(
     if encoded and backend != "decode":
         k_codec, v_codec = encoded[0].k_codec, encoded[0].v_codec
         kernel = find_kernel(k_codec, v_codec, q.device) if backend == "auto" else None
+        if kernel is not None and q.shape[-2] > getattr(kernel, "max_queries", math.inf):
+            # Long query blocks (a video chunk) are compute-bound: decode once into the gather buffer and make one
+            # SDPA call over [past | current] rather than fused split-K plus an fp32 pass over the native part.
+            kernel = None
         if kernel is not None or k_codec.has_scores:
             return _attend_split(q, segments, k_cur, v_cur, scale, kernel)
     k, v = gather(segments, k_cur, v_cur, q.dtype)

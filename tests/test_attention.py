@@ -140,6 +140,30 @@ def test_kernel_seam_dispatches_and_merges(monkeypatch):
     assert calls == []
 
 
+def test_long_query_blocks_skip_a_kernel_with_max_queries(monkeypatch):
+    """A kernel that declares `max_queries` is used for short query blocks only; a long block (a video chunk) goes
+    through decode + one SDPA call, bit-identical to the reference path."""
+    gen = torch.Generator().manual_seed(8)
+    codec = identity_codec()
+    k1, v1, k2, v2 = (rand(gen, 5, torch.float32) for _ in range(4))
+    calls = []
+
+    def kernel(q, segments, scale):
+        calls.append(q.shape[-2])
+        k, v = attn.gather(segments, None, None, torch.float32)
+        return attn.attention_lse(q, k, v, scale)
+
+    kernel.max_queries = 4
+    monkeypatch.setattr(attn, "find_kernel", lambda kc, vc, device: kernel)
+    segs = [encoded_segment(codec, k1, v1), Segment(k2, v2)]
+    attn.attend(rand(gen, 4, torch.float32), segs)
+    assert calls == [4]
+    q_long = rand(gen, 9, torch.float32)
+    out = attn.attend(q_long, segs)
+    assert calls == [4]  # not called for 9 query rows
+    assert torch.equal(out, attn.attend(q_long, segs, backend="reference"))
+
+
 def test_no_kernel_on_cpu():
     codec = identity_codec()
     assert attn.find_kernel(codec, codec, torch.device("cpu")) is None
