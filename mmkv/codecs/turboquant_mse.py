@@ -37,10 +37,6 @@ from mmkv.codecs.rotation import RandomizedHadamard
 CODEBOOK_DIMS = (16, 32, 64, 128, 256)
 CODEBOOK_BITS = (1, 2, 3, 4, 5, 6)
 _KEY = re.compile(r"^d(\d+)_b(\d+)$")
-# Quadrature grid on the half range [0, 1]. The trainer iterates on grid points, so it stops at a discrete fixed
-# point a few grid cells from the continuous one: at 4M cells centroids are within ~3e-6 of a 30M-cell solution for
-# b <= 4 and ~5e-5 for b = 6 (docs/decisions.md); the whole family builds in ~15 s on one core.
-_GRID = 4_000_000
 
 
 def beta_pdf(d: int):
@@ -64,7 +60,7 @@ def turboquant_codebook(key: str) -> list[float]:
     d, b = int(m.group(1)), int(m.group(2))
     if d < 2 or not 1 <= b <= 8:
         raise KeyError(f"turboquant codebook key {key!r}: need d >= 2 and 1 <= b <= 8")
-    half = lloyd_max_pdf(beta_pdf(d), 0.0, 1.0, 2 ** (b - 1), grid=_GRID, iters=100_000, tol=1e-13)
+    half = lloyd_max_pdf(beta_pdf(d), 0.0, 1.0, 2 ** (b - 1), iters=100_000, tol=1e-13)
     return np.concatenate((-half[::-1], half)).tolist()
 
 
