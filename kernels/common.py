@@ -63,6 +63,15 @@ def boundaries(centroids: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def token_block(T, BT: tl.constexpr):
+    """The block a program of a (cdiv(T, BT), rows) launch owns: (row, row as int64 for offsets, first token t0,
+    tokens in the block n_tok = min(T - t0, BT)). Every codec kernel's grid has this shape."""
+    row = tl.program_id(1)
+    t0 = tl.program_id(0) * BT
+    return row, row.to(tl.int64), t0, tl.minimum(T - t0, BT)
+
+
+@triton.jit
 def rint(v):
     """Round half to even (torch.round), exact for every fp32: |v| >= 2^23 is already an integer."""
     big = 8388608.0

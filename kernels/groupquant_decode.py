@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, rows_of, store_rows, vector
+from mmkv.kernels.common import LAUNCH, cast_to, rows_of, store_rows, token_block, vector
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht, fwht_lanes
@@ -24,11 +24,7 @@ def _minmax_decode_kernel(
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, DP)
     valid = (tt < n_tok)[:, None] & (jj < D)[None, :]

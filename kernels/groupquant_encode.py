@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import CodecError, Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht_lanes
 
@@ -30,11 +30,7 @@ def _minmax_encode_kernel(
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROUNDED: tl.constexpr,
 ):
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, DP)
     valid = (tt < n_tok)[:, None] & (jj < D)[None, :]

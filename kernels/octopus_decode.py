@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, head_count, next_pow2, rows_of, store_rows, vector
+from mmkv.kernels.common import (
+    LAUNCH, ROWS_WARPS, cast_to, head_count, next_pow2, rows_of, store_rows, token_block, vector,
+)
 from mmkv.kernels.octopus_encode import _tables, from_triplets, supports  # noqa: F401  (same range as the encoder)
 from mmkv.kernels.packing import unpack_at, unpack_rows
 from mmkv.kernels.rotation import fwht
@@ -28,11 +30,7 @@ def _octopus_decode_kernel(
     D: tl.constexpr, NT: tl.constexpr, NTP: tl.constexpr, BT: tl.constexpr, V: tl.constexpr,
     DIR_BITS: tl.constexpr, RHO_BITS: tl.constexpr, QJL: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     ii = tl.arange(0, NTP)

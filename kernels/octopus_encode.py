@@ -21,7 +21,8 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, load_rows, next_pow2, rows_of, search, search_table, vector,
+    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, load_rows,
+    next_pow2, rows_of, search, search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
@@ -82,11 +83,7 @@ def _octopus_encode_kernel(
     XI_CELLS: tl.constexpr, RHO_CELLS: tl.constexpr, CH: tl.constexpr,
 ):
     L: tl.constexpr = 1 << DIR_BITS
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok

@@ -17,18 +17,14 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, load_rows, rows_of, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, load_rows, rows_of, token_block, vector
 from mmkv.kernels.groupquant_encode import minmax_encode, supports_minmax
 from mmkv.kernels.rotation import fwht
 
 
 @triton.jit
 def _rotated_sumsq_kernel(x_ptr, out_ptr, T, rscale, vr, D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V)
     r = fwht(x.to(tl.float32), BT, D) * rscale

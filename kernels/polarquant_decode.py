@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mmkv.kernels.common import INTERPRET, LAUNCH, ROWS_WARPS, cast_to, rows_of, store_rows, vector
+from mmkv.kernels.common import INTERPRET, LAUNCH, ROWS_WARPS, cast_to, rows_of, store_rows, token_block, vector
 from mmkv.kernels.packing import unpack_plane
 from mmkv.kernels.polarquant_encode import _LUT, _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.rotation import fwht
@@ -41,11 +41,7 @@ def _polarquant_decode_kernel(
     D: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr,
     LUT: tl.constexpr, INTERP: tl.constexpr, V: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok

@@ -22,7 +22,7 @@ from triton.language.extra import libdevice
 from mmkv.codecs.base import CodecError, Encoded
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
-    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_plane
 from mmkv.kernels.rotation import fwht
@@ -77,11 +77,7 @@ def _polarquant_encode_kernel(
     LUT: tl.constexpr, INTERP: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
     V: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of
+from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qjl_encode import _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
@@ -20,11 +20,7 @@ def _qjl_decode_kernel(
     signs_ptr, norm_ptr, sk_ptr, out_ptr, T, NH, qscale, row_bytes,
     D: tl.constexpr, M: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     kk = tl.arange(0, MB)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of
+from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
 
@@ -23,11 +23,7 @@ def _qjl_encode_kernel(
     x_ptr, sk_ptr, signs_ptr, norm_ptr, T, NH, row_bytes,
     D: tl.constexpr, M: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     kk = tl.arange(0, MB)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to
+from mmkv.kernels.common import LAUNCH, cast_to, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qvg_encode import block_tokens, supports  # noqa: F401  (same parameter range)
 
@@ -33,10 +33,7 @@ def _decode_kernel(
     STAGES: tl.constexpr,
 ):
     NB: tl.constexpr = D // BLK
-    pid_t = tl.program_id(0)
-    p = tl.program_id(1).to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(N - t0, BT)
+    _, p, t0, n_tok = token_block(N, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok

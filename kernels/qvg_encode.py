@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, cast_to, rint
+from mmkv.kernels.common import LAUNCH, cast_to, rint, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.qvg_assign import assign, supports_shape
 
@@ -55,10 +55,7 @@ def _quant_pack_kernel(
     SUBTRACT: tl.constexpr,
 ):
     NB: tl.constexpr = D // BLK
-    pid_t = tl.program_id(0)
-    p = tl.program_id(1).to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(N - t0, BT)
+    _, p, t0, n_tok = token_block(N, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import CodecError
 from mmkv.codecs.rotation import is_pow2
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, load_rows, store_rows, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, load_rows, store_rows, token_block, vector
 
 
 @triton.jit
@@ -61,11 +61,8 @@ def _rotate_kernel(
     x_ptr, s_ptr, out_ptr, T, NH, scale, vr,
     D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, VO: tl.constexpr, SIGNS: tl.constexpr, INVERSE: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
-    base = row.to(tl.int64) * T * D
+    row, row64, t0, n_tok = token_block(T, BT)
+    base = row64 * T * D
     y = load_rows(x_ptr, base, t0, n_tok, vr, BT, D, V).to(tl.float32)
     if SIGNS:
         s = tl.load(s_ptr + (row % NH) * D + tl.arange(0, D)).to(tl.float32)[None, :]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, head_count, rows_of, store_rows, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, head_count, rows_of, store_rows, token_block, vector
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  (same parameter range)
@@ -23,11 +23,7 @@ def _turboquant_decode_kernel(
     T, NH, scale, lo_row_bytes, hi_row_bytes, vr,
     D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, B: tl.constexpr, HI: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     if HI == 0:

@@ -21,7 +21,8 @@ import triton.language as tl
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, load_rows, rows_of, search, search_table, vector,
+    LAUNCH, ROWS_WARPS, cells, device_tables, head_count,
+    load_rows, rows_of, search, search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
@@ -34,11 +35,7 @@ def _turboquant_encode_kernel(
     D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, B: tl.constexpr, HI: tl.constexpr,
     LO_CELLS: tl.constexpr, HI_CELLS: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
+    row, row64, t0, n_tok = token_block(T, BT)
     jj = tl.arange(0, D)
     x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V)
     xf = x.to(tl.float32)

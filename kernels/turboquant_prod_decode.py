@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of
+from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION, _tables, supports  # noqa: F401
@@ -24,12 +24,8 @@ def _turboquant_prod_decode_kernel(
     T, NH, scale, qjl_scale, idx_row_bytes, qjl_row_bytes,
     D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
+    row, row64, t0, n_tok = token_block(T, BT)
     head = row % NH
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of, search, search_table
+from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of, search, search_table, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht
 
@@ -34,12 +34,8 @@ def _turboquant_prod_encode_kernel(
     D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr,
     PREC: tl.constexpr, CELLS: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    row = tl.program_id(1)
-    row64 = row.to(tl.int64)
+    row, row64, t0, n_tok = token_block(T, BT)
     head = row % NH
-    t0 = pid_t * BT
-    n_tok = tl.minimum(T - t0, BT)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, D)
     tmask = tt < n_tok
