@@ -180,9 +180,36 @@ def value_step(acc, accm, alpha, p, tok, tmask, vc_row, vs_row, vo_row, vs_st,
 
 
 @triton.jit
-def store_split(acc, accm, m_i, l_i, out_row, lse_pos, NG: tl.constexpr, UPG: tl.constexpr, VSU: tl.constexpr,
-                VW: tl.constexpr, VHALF: tl.constexpr):
-    """Write one split's normalised output [D] (natural channel order) and its natural-log LSE (-inf if empty)."""
+def query_row(q_ptr, Tq, GQ, D: tl.constexpr):
+    """This program's query row (axis 1 of the grid), batch b (axis 2), the KV head hk the row reads, and the pointer
+    to the row's [D] query."""
+    row = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hk = (row // Tq) // GQ
+    return row, b, hk, q_ptr + (b * tl.num_programs(1) + row) * D
+
+
+@triton.jit
+def value_rows(vc_ptr, vs_ptr, vo_ptr, b, hk, vc_sb, vc_sh, vs_sb, vs_sh):
+    """(b, hk)'s V codes, scales and offsets, as `value_step` reads them (scales and offsets share strides)."""
+    return vc_ptr + b * vc_sb + hk * vc_sh, vs_ptr + b * vs_sb + hk * vs_sh, vo_ptr + b * vs_sb + hk * vs_sh
+
+
+@triton.jit
+def empty_split(NG: tl.constexpr, UPG: tl.constexpr, VSU: tl.constexpr):
+    """The online-softmax state before the first tile: (m_i, l_i, acc, accm) of `softmax_step` / `value_step`."""
+    return (tl.full([], float("-inf"), tl.float32), tl.zeros([], tl.float32), tl.zeros([NG, UPG, VSU], tl.float32),
+            tl.zeros([NG], tl.float32))
+
+
+@triton.jit
+def store_split(acc, accm, m_i, l_i, out_part, lse_part, b, row, S_total, split0, D: tl.constexpr, NG: tl.constexpr,
+                UPG: tl.constexpr, VSU: tl.constexpr, VW: tl.constexpr, VHALF: tl.constexpr):
+    """Write one split's normalised output [D] (natural channel order) and its natural-log LSE (-inf if empty) to
+    this program's slot: split split0 + (grid axis 0) of query row (b, row), S_total splits a row."""
+    slot = (b * tl.num_programs(1) + row) * S_total + split0 + tl.program_id(0)
+    out_row = out_part + slot * D
+    lse_pos = lse_part + slot
     o = acc * unit_scale(VSU, VW, VHALF)[None, None, :] + accm[:, None, None]
     has = l_i > 0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)

@@ -17,15 +17,18 @@ from mmkv.kernels.attn_splitk import (
     KernelUnsupported,
     SplitKAttention,
     code_plane,
+    empty_split,
     half_units,
     load_units,
     launch_grid,
+    query_row,
     softmax_step,
     split_tiles,
     store_split,
     unit_scale,
     unit_values,
     value_layout,
+    value_rows,
     value_step,
     unit_shape,
 )
@@ -45,25 +48,17 @@ def _channel_group_attn_kernel(
     STAGES: tl.constexpr,
 ):
     lo, hi = split_tiles(tile0, tiles_per_split, T, G)
-    row = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    hk = (row // Tq) // GQ
-    q_row = q_ptr + (b * tl.num_programs(1) + row) * D
+    row, b, hk, q_row = query_row(q_ptr, Tq, GQ, D)
     kc_row = kc_ptr + b * kc_sb + hk * kc_sh
     ks_row = ks_ptr + b * ks_sb + hk * ks_sh
     ko_row = ko_ptr + b * ks_sb + hk * ks_sh
-    vc_row = vc_ptr + b * vc_sb + hk * vc_sh
-    vs_row = vs_ptr + b * vs_sb + hk * vs_sh
-    vo_row = vo_ptr + b * vs_sb + hk * vs_sh
+    vc_row, vs_row, vo_row = value_rows(vc_ptr, vs_ptr, vo_ptr, b, hk, vc_sb, vc_sh, vs_sb, vs_sh)
 
     dk = tl.arange(0, KNU)[:, None] * KSU + tl.arange(0, KSU)[None, :]  # channel of each (unit, code)
     q = tl.load(q_row + dk)
     qk = q * unit_scale(KSU, KW, KHALF)[None, :]  # codes arrive as c 2^o: fold 2^-o into the query once
 
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([NG, UPG, VSU], tl.float32)
-    accm = tl.zeros([NG], tl.float32)
+    m_i, l_i, acc, accm = empty_split(NG, UPG, VSU)
     for j in tl.range(lo, hi, num_stages=STAGES):
         tok = j * G + tl.arange(0, G)
         tmask = (tok >= skip) & (tok < T)
@@ -77,8 +72,7 @@ def _channel_group_attn_kernel(
         acc, accm = value_step(acc, accm, alpha, p, tok, tmask, vc_row, vs_row, vo_row, vs_st, NG, UPG, VSU, VW,
                                VHALF)
 
-    slot = (b * tl.num_programs(1) + row) * S_total + split0 + tl.program_id(0)
-    store_split(acc, accm, m_i, l_i, out_part + slot * D, lse_part + slot, NG, UPG, VSU, VW, VHALF)
+    store_split(acc, accm, m_i, l_i, out_part, lse_part, b, row, S_total, split0, D, NG, UPG, VSU, VW, VHALF)
 
 
 class KiviAttention(SplitKAttention):

@@ -21,14 +21,17 @@ from mmkv.kernels.attn_splitk import (
     SplitKAttention,
     apply_rotation,
     code_plane,
+    empty_split,
     launch_grid,
     lookup,
+    query_row,
     rotation_matrix,
     softmax_step,
     split_tiles,
     store_split,
     use_asm,
     value_layout,
+    value_rows,
     value_step,
 )
 
@@ -60,21 +63,13 @@ def _octopus_attn_kernel(
     STAGES: tl.constexpr, ASM: tl.constexpr,
 ):
     lo, hi = split_tiles(tile0, tiles_per_split, T, BLOCK_N)
-    row = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    hk = (row // Tq) // GQ
-    q_row = q_ptr + (b * tl.num_programs(1) + row) * D
+    row, b, hk, q_row = query_row(q_ptr, Tq, GQ, D)
     dir_row = dir_ptr + b * dir_sb + hk * dir_sh
     rho_row = rho_ptr + b * rho_sb + hk * rho_sh
     gam_row = gam_ptr + b * gam_sb + hk * gam_sh
-    vc_row = vc_ptr + b * vc_sb + hk * vc_sh
-    vs_row = vs_ptr + b * vs_sb + hk * vs_sh
-    vo_row = vo_ptr + b * vs_sb + hk * vs_sh
+    vc_row, vs_row, vo_row = value_rows(vc_ptr, vs_ptr, vo_ptr, b, hk, vc_sb, vc_sh, vs_sb, vs_sh)
 
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([NG, UPG, VSU], tl.float32)
-    accm = tl.zeros([NG], tl.float32)
+    m_i, l_i, acc, accm = empty_split(NG, UPG, VSU)
     rho_const = tl.load(rho_tab)  # E[rho] when no rho bits are stored
     for j in tl.range(lo, hi, num_stages=STAGES):
         tok = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,8 +102,7 @@ def _octopus_attn_kernel(
         acc, accm = value_step(acc, accm, alpha, p, tok, tmask, vc_row, vs_row, vo_row, vs_st, NG, UPG, VSU, VW,
                                VHALF)
 
-    slot = (b * tl.num_programs(1) + row) * S_total + split0 + tl.program_id(0)
-    store_split(acc, accm, m_i, l_i, out_part + slot * D, lse_part + slot, NG, UPG, VSU, VW, VHALF)
+    store_split(acc, accm, m_i, l_i, out_part, lse_part, b, row, S_total, split0, D, NG, UPG, VSU, VW, VHALF)
 
 
 def window_bytes(w: int) -> int:
