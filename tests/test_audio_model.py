@@ -22,13 +22,7 @@ from mmkv.pipelines.aar.sat import SATConfig, build_sat
 from mmkv.pipelines.aar.tiny import build_tiny, random_condition, write_tiny_checkpoints
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: thread start-up and contention cost more than they save on a shared 2-core box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,7 @@ from mmkv.pipelines.aar.sample import (
 from mmkv.pipelines.aar.tiny import build_tiny, random_condition
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

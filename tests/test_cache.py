@@ -25,13 +25,7 @@ SMALL_SPAN_PRESETS = {"qvg": "qvg:centroids=2,block=16"}
 ALL_CODECS = [SMALL_SPAN_PRESETS.get(name, name) for name in codecs.names()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny tensors: intra-op threads only add synchronisation (and the CI machine has two cores)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rand(gen: torch.Generator, tokens: int, dtype=torch.float32, batch: int = BATCH) -> torch.Tensor:

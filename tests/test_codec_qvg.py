@@ -24,12 +24,7 @@ from mmkv.codecs.base import private_generator  # noqa: E402
 from mmkv.codecs.packing import pack_bits, unpack_bits  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gen(seed: int) -> torch.Generator:

@@ -16,29 +16,14 @@ from mmkv.cli import main
 from mmkv.pipelines.common import NoiseStream
 from mmkv.pipelines.wan.loop import get_preset, rollout
 from mmkv.pipelines.wan.pipeline import ResolutionError, local_attn_size, store_window
-from mmkv.pipelines.wan.tiny import TINY_DIT, tiny_dit, tiny_transformer, write_causvid_checkpoint, write_tiny_base
+from mmkv.pipelines.wan.tiny import TINY_DIT, tiny_transformer, write_causvid_checkpoint, write_tiny_base
 
 LAT_H, LAT_W = 4, 6  # 6 tokens a frame
 TOKENS = 6
 QVG = "qvg:centroids=4,block=16"  # a codebook sized for 18-token spans (the default 256 centres suit 4680)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def dit():
-    return tiny_dit(seed=3)
-
-
-@pytest.fixture(scope="module")
-def context():
-    return torch.randn(1, 16, TINY_DIT["text_dim"], generator=torch.Generator().manual_seed(11))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_store(codec=None, **kw) -> KVStore:

@@ -9,28 +9,12 @@ from mmkv.cache import CacheConfig, KVStore
 from mmkv.pipelines.common import NoiseStream
 from mmkv.pipelines.wan.loop import PRESETS, FlowMatchScheduler, block_causal_mask, get_preset, rollout
 from mmkv.pipelines.wan.model import ModelError
-from mmkv.pipelines.wan.tiny import TINY_DIT, tiny_dit, tiny_vae
+from mmkv.pipelines.wan.tiny import TINY_DIT, tiny_vae
 
 LAT_H, LAT_W = 4, 6  # 2x3 tokens per frame: H != W
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def dit():
-    return tiny_dit(seed=3)
-
-
-@pytest.fixture(scope="module")
-def context():
-    g = torch.Generator().manual_seed(11)
-    return torch.randn(1, 16, TINY_DIT["text_dim"], generator=g)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def frames_for(preset) -> int:

@@ -1,0 +1,37 @@
+"""Fixtures shared by several test files: single-threaded torch for the tiny models, and the tiny causal Wan DiT with
+a text context (video.md §8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Model code is imported inside the fixtures: a conftest is imported before every test module, and some modules must
+# set TRITON_INTERPRET before anything imports triton.
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch.set_num_threads(1) for a module (restored after): on tiny tensors and models, intra-op thread start-up
+    and synchronisation cost more than they save, and the CI machine has two cores. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def dit():
+    """The tiny causal Wan DiT (seed 3), shared read-only by a module's tests."""
+    from mmkv.pipelines.wan.tiny import tiny_dit
+
+    return tiny_dit(seed=3)
+
+
+@pytest.fixture(scope="module")
+def context():
+    """A text-encoder context [1, 16, text_dim] from a fixed private generator."""
+    from mmkv.pipelines.wan.tiny import TINY_DIT
+
+    return torch.randn(1, 16, TINY_DIT["text_dim"], generator=torch.Generator().manual_seed(11))
