@@ -28,8 +28,32 @@ from mmkv.codecs.base import Codec, Encoded, register
 from mmkv.codecs.turboquant_mse import check_heads, gaussian_sketch, pack_plane, store_norm, unpack_plane
 
 
+class GaussianSketch:
+    """The per-KV-head i.i.d. Gaussian sketch S[H, m, d] of Def. 3.1, for a codec that sketches keys (QJL, and the
+    residual stage of TurboQuant-prod): `setup_sketch` draws S on the codec's `sketch_stream`, `project` is S v."""
+
+    sketch_stream: str
+
+    def setup_sketch(self, m: int) -> None:
+        self.m = m
+        self.sketch = gaussian_sketch(
+            m, self.head_dim, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.sketch_stream
+        )
+        self._sketches: dict[torch.device, torch.Tensor] = {}
+
+    def _s(self, device: torch.device) -> torch.Tensor:
+        if device not in self._sketches:
+            s = self.sketch.to(device)
+            self._sketches[device] = s[0] if self.num_heads == 1 else s  # [H, m, d] meets [..., H, T, d]
+        return self._sketches[device]
+
+    def project(self, v: torch.Tensor) -> torch.Tensor:
+        """S v for v[..., T, d] -> [..., T, m] (fp32)."""
+        return torch.matmul(v, self._s(v.device).transpose(-1, -2))
+
+
 @register
-class QJLCodec(Codec):
+class QJLCodec(GaussianSketch, Codec):
     """QJL keys. Params: bits (1..8 sign bits per coordinate, i.e. sketch size m = bits * d), norm (32 or 16)."""
 
     name = "qjl"
@@ -42,26 +66,12 @@ class QJLCodec(Codec):
         cfg, d = self.config, self.head_dim
         self.bits = self.check_bits(cfg["bits"], tuple(range(1, 9)), "bits")
         self.norm_bits = self.check_bits(cfg["norm"], (32, 16), "norm")
-        self.m = self.bits * d
-        self.sketch = gaussian_sketch(
-            self.m, d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.sketch_stream
-        )
+        self.setup_sketch(self.bits * d)
         self.scale = math.sqrt(math.pi / 2) / self.m  # Def. 3.1
-        self._sketches: dict[torch.device, torch.Tensor] = {}
 
     @property
     def bits_per_vector(self) -> int:
         return self.m + self.norm_bits
-
-    def _s(self, device: torch.device) -> torch.Tensor:
-        if device not in self._sketches:
-            s = self.sketch.to(device)
-            self._sketches[device] = s[0] if self.num_heads == 1 else s  # [H, m, d] meets [..., H, T, d]
-        return self._sketches[device]
-
-    def project(self, v: torch.Tensor) -> torch.Tensor:
-        """S v for v[..., T, d] -> [..., T, m] (fp32)."""
-        return torch.matmul(v, self._s(v.device).transpose(-1, -2))
 
     def _signs(self, enc: Encoded) -> torch.Tensor:
         return unpack_plane(enc.tensors["signs"], 1, enc.shape[-2], self.m).to(torch.float32) * 2 - 1

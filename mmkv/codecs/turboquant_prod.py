@@ -23,12 +23,12 @@ import math
 import torch
 
 from mmkv.codecs.base import Codec, Encoded, register
+from mmkv.codecs.qjl import GaussianSketch
 from mmkv.codecs.rotation import RandomizedHadamard
 from mmkv.codecs.turboquant_mse import (
     ScalarQuantizer,
     check_heads,
     codebook,
-    gaussian_sketch,
     pack_plane,
     store_norm,
     unpack_plane,
@@ -36,7 +36,7 @@ from mmkv.codecs.turboquant_mse import (
 
 
 @register
-class TurboQuantProdCodec(Codec):
+class TurboQuantProdCodec(GaussianSketch, Codec):
     """TurboQuant-prod keys. Params: b (2..6 total bits per coordinate: b-1 MSE + 1 QJL), norm (32 or 16 bits for
     both stored norms)."""
 
@@ -56,29 +56,15 @@ class TurboQuantProdCodec(Codec):
         self.rotation = RandomizedHadamard(
             d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.rotation_stream
         )
-        self.m = d  # Algorithm 2 uses a square sketch
-        self.sketch = gaussian_sketch(
-            self.m, d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.sketch_stream
-        )
+        self.setup_sketch(d)  # Algorithm 2 uses a square sketch
         self.qjl_scale = math.sqrt(math.pi / 2) / self.m  # Lemma 3.2 / Algorithm 2 step 5
-        self._sketches: dict[torch.device, torch.Tensor] = {}
 
     @property
     def bits_per_vector(self) -> int:
         """(b-1)*d MSE bits + d QJL bits + two norms (codecs.md 2.6)."""
         return self.b * self.head_dim + 2 * self.norm_bits
 
-    # -- sketch S, one per KV head, broadcast over dim -3 -------------------------------------------------------
-    def _s(self, device: torch.device) -> torch.Tensor:
-        if device not in self._sketches:
-            s = self.sketch.to(device)
-            self._sketches[device] = s[0] if self.num_heads == 1 else s  # [H, m, d] meets [..., H, T, d]
-        return self._sketches[device]
-
-    def project(self, v: torch.Tensor) -> torch.Tensor:
-        """S v for v[..., T, d] -> [..., T, m] (fp32)."""
-        return torch.matmul(v, self._s(v.device).transpose(-1, -2))
-
+    # -- sketch S (`GaussianSketch`), one per KV head, broadcast over dim -3 -------------------------------------
     def _signs(self, enc: Encoded) -> torch.Tensor:
         z = unpack_plane(enc.tensors["qjl"], 1, enc.shape[-2], self.m)
         return z.to(torch.float32) * 2 - 1
