@@ -160,6 +160,20 @@ def check_meta(codec: Codec, meta) -> torch.dtype:
     return META_DTYPES[meta]
 
 
+# KIVI's split, which OScaR keeps (oscar.md §3): keys in per-channel groups of tokens, values in per-token groups of
+# channels.
+ROLES = {"k": "channel", "v": "token"}
+
+
+def check_role(codec: Codec, role) -> str:
+    """The grouping axis of a codec with a K and a V role (KIVI, OScaR)."""
+    if role not in ROLES:
+        raise CodecError(
+            f"codec {codec.name!r}: role must be 'k' (per-channel keys) or 'v' (per-token values), got {role!r}"
+        )
+    return ROLES[role]
+
+
 @register
 class GroupQuantCodec(Codec):
     """Per-token groups of `group` channels, asymmetric min-max, fp16 (scale, min): b + 32/g bits a value (A9)."""

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, register
-from mmkv.codecs.groupquant import check_group, check_meta, decode_minmax, encode_minmax
-
-ROLES = {"k": "channel", "v": "token"}
+from mmkv.codecs.base import Codec, CodecConfig, Encoded, register
+from mmkv.codecs.groupquant import check_group, check_meta, check_role, decode_minmax, encode_minmax
 
 
 @register
@@ -37,13 +35,8 @@ class KiviCodec(Codec):
         self.bits = self.check_bits(self.config["bits"], (2, 3, 4, 8))
         self.group = check_group(self, self.config["group"])
         self.meta_dtype = check_meta(self, self.config["meta"])
-        role = self.config["role"]
-        if role not in ROLES:
-            raise CodecError(
-                f"codec 'kivi': role must be 'k' (per-channel keys) or 'v' (per-token values), got {role!r}"
-            )
-        self.role = role
-        self.axis = ROLES[role]
+        self.axis = check_role(self, self.config["role"])
+        self.role = self.config["role"]
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         tensors = encode_minmax(

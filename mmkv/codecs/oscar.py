@@ -24,10 +24,8 @@ from __future__ import annotations
 import torch
 
 from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, register
-from mmkv.codecs.groupquant import check_group, check_meta, decode_minmax, encode_minmax
+from mmkv.codecs.groupquant import check_group, check_meta, check_role, decode_minmax, encode_minmax
 from mmkv.codecs.rotation import hadamard_transform
-
-ROLES = {"k": "channel", "v": "token"}
 
 
 @register
@@ -47,11 +45,8 @@ class OscarCodec(Codec):
         self.bits = self.check_bits(self.config["bits"], (2, 3, 4))
         self.group = check_group(self, self.config["group"])
         self.meta_dtype = check_meta(self, self.config["meta"])
-        role = self.config["role"]
-        if role not in ROLES:
-            raise CodecError(f"codec 'oscar': role must be 'k' (keys) or 'v' (values), got {role!r}")
-        self.role = role
-        self.axis = ROLES[role]
+        self.axis = check_role(self, self.config["role"])
+        self.role = self.config["role"]
 
     def check_input(self, x: torch.Tensor) -> None:
         super().check_input(x)
