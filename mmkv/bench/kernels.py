@@ -202,9 +202,17 @@ class _Bench:
         return chunks, concat_tokens(chunks, axes)
 
     # -- decode ----------------------------------------------------------------------------------------------
-    def decode(self, presets: list[str], lks: list[int]) -> list[dict]:
+    def _sdpa_baseline(self, case: str, q, k, v, scale: float, shape: str) -> dict:
+        """The bf16 SDPA row every preset of a case is timed against: its time, bytes and error against exact fp32
+        attention."""
         from mmkv.attention import attention_lse
 
+        base_ms = self.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale))
+        ref = attention_lse(q.float(), k.float(), v.float(), scale)[0]
+        return self._row(case, "bf16 sdpa", "torch sdpa", shape, base_ms, base_ms, 2 * k.numel() * k.element_size(),
+                         rel_error(F.scaled_dot_product_attention(q, k, v, scale=scale), ref), None, None, "sdpa")
+
+    def decode(self, presets: list[str], lks: list[int]) -> list[dict]:
         b, h, d = self.args.batch, self.args.heads, 128
         scale = 1.0 / math.sqrt(d)
         rows = []
@@ -213,14 +221,9 @@ class _Bench:
             k = self.randn(b, h, lk, d, key=("k", lk))
             v = self.randn(b, h, lk, d, key=("v", lk))
             shape = f"B={b} H={h} D={d} Lq=1 Lk={lk}"
-            base_ms = self.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale))
-            ref = attention_lse(q.float(), k.float(), v.float(), scale)[0]
-            bf16_bytes = 2 * k.numel() * k.element_size()
-            rows.append(self._row("decode", "bf16 sdpa", "torch sdpa", shape, base_ms, base_ms, bf16_bytes,
-                                  rel_error(F.scaled_dot_product_attention(q, k, v, scale=scale), ref), None, None,
-                                  "sdpa"))
-            print(f"decode Lk={lk}: bf16 SDPA {base_ms:.3f} ms ({bf16_bytes / base_ms / 1e6:.0f} GB/s)", flush=True)
-            del ref
+            rows.append(self._sdpa_baseline("decode", q, k, v, scale, shape))
+            base_ms = rows[-1]["ms"]
+            print(f"decode Lk={lk}: bf16 SDPA {base_ms:.3f} ms ({rows[-1]['gbps']:.0f} GB/s)", flush=True)
             for preset in presets:
                 rows += _guard(f"decode {preset} Lk={lk}", self._decode_one, preset, q, k, v, scale, shape, base_ms,
                                lks)
@@ -303,8 +306,6 @@ class _Bench:
 
     # -- video -----------------------------------------------------------------------------------------------
     def video(self, presets: list[str], lks: list[int]) -> list[dict]:
-        from mmkv.attention import attention_lse
-
         b, h, d, lq, frame = 1, self.args.video_heads, 128, self.args.video_lq, self.args.frame_tokens
         scale = 1.0 / math.sqrt(d)
         rows = []
@@ -313,14 +314,9 @@ class _Bench:
             k = self.randn(b, h, lk, d, key=("vk", lk))
             v = self.randn(b, h, lk, d, key=("vv", lk))
             shape = f"B={b} H={h} D={d} Lq={lq} Lk={lk}"
-            base_ms = self.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale))
-            ref = attention_lse(q.float(), k.float(), v.float(), scale)[0]
-            rows.append(self._row("video", "bf16 sdpa", "torch sdpa", shape, base_ms, base_ms,
-                                  2 * k.numel() * k.element_size(),
-                                  rel_error(F.scaled_dot_product_attention(q, k, v, scale=scale), ref), None, None,
-                                  "sdpa"))
+            rows.append(self._sdpa_baseline("video", q, k, v, scale, shape))
+            base_ms = rows[-1]["ms"]
             print(f"video Lk={lk}: bf16 SDPA {base_ms:.3f} ms", flush=True)
-            del ref
             for preset in presets:
                 rows += _guard(f"video {preset} Lk={lk}", self._video_one, preset, q, k, v, scale, shape, base_ms,
                                frame)
