@@ -6,8 +6,10 @@ a non-square 2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise b
 the 1.3B layout (dim_mult [1,2,4,4], 2 res blocks: the original-format converter stays valid), a small umT5 encoder and
 a character-level tokenizer built with `tokenizers` (no sentencepiece model to download). Weights are drawn from a
 private generator with fan-in scaling so activations are O(1) and the head is not zero (the original zero-inits it,
-video.md §2.1). `write_tiny_base` writes a base directory in either layout; `write_causvid_checkpoint` and
-`write_causal_forcing_checkpoint` write the DiT in the two training-checkpoint wrappers (§5.3-5.4).
+video.md §2.1). `kv_sensitive=True` (what `mmkv demo` uses) rescales that init so the output depends on attention
+over past frames and KV compression shows (`kv_sensitive_`). `write_tiny_base` writes a base directory in either
+layout; `write_causvid_checkpoint` and `write_causal_forcing_checkpoint` write the DiT in the two training-checkpoint
+wrappers (§5.3-5.4).
 """
 
 from __future__ import annotations
@@ -72,17 +74,54 @@ def reinit_(module: torch.nn.Module, seed: int, stream: str) -> torch.nn.Module:
     return module
 
 
-def tiny_transformer(seed: int = 0, config: dict[str, Any] | None = None):
-    """A diffusers WanTransformer3DModel of the tiny config with deterministic weights (fp32, CPU)."""
+# Gains of `kv_sensitive_`, chosen by measurement (docs/decisions.d/demo_video.md): with them 2-bit
+# caches give ~25-31 dB PSNR and 4-bit ~34-41 dB on the demo grid, against ~41-47 / ~54-57 dB with the plain init.
+KV_SENSITIVE_GAINS: dict[str, float] = {"qk": 2.0, "self_attn_out": 3.0, "cross_attn_out": 0.5, "ffn_out": 0.5}
+
+
+@torch.no_grad()
+def kv_sensitive_(transformer: torch.nn.Module, gains: dict[str, float] | None = None) -> torch.nn.Module:
+    """Rescale a `reinit_`-ed Wan DiT so its output depends on the self-attention over past frames.
+
+    With the plain init a 2-bit cache moves the latents by ~2e-4 in cosine (~46 dB PSNR): the residual stream is
+    carried by the patch embedding, the text cross-attention and the FFN, and near-uniform attention averages the
+    codec's error away. Per block, in place (same modules, same keys, so the release-format checkpoints and loaders
+    are unchanged):
+    * `attn1.norm_q/norm_k` weights x `qk`: the RMS-normed q.k/sqrt(d) logits have std ~0.95 at init (largest
+      weight ~0.1 over 54 keys); x2 on both gives std ~3.8 (largest weight ~0.55): attention is sharp, so errors in
+      the cached K change which past tokens it reads.
+    * `attn1.to_out.0` x `self_attn_out`: what attention reads from the cache dominates the residual update.
+    * `attn2.to_out.0` and `ffn.net.2` x `cross_attn_out` / `ffn_out`: the paths that never see the cache shrink.
+    The VAE is left as it is: its decode already spreads pixels widely (frame std ~80 of 255), so latent changes
+    reach the pixels."""
+    g = {**KV_SENSITIVE_GAINS, **(gains or {})}
+    if unknown := set(g) - set(KV_SENSITIVE_GAINS):
+        raise ValueError(f"unknown gains {sorted(unknown)}; expected some of {sorted(KV_SENSITIVE_GAINS)}")
+    for block in transformer.blocks:
+        block.attn1.norm_q.weight.mul_(g["qk"])
+        block.attn1.norm_k.weight.mul_(g["qk"])
+        for linear, gain in ((block.attn1.to_out[0], g["self_attn_out"]),
+                             (block.attn2.to_out[0], g["cross_attn_out"]), (block.ffn.net[2], g["ffn_out"])):
+            linear.weight.mul_(gain)
+            linear.bias.mul_(gain)
+    return transformer
+
+
+def tiny_transformer(seed: int = 0, config: dict[str, Any] | None = None, *, kv_sensitive: bool = False):
+    """A diffusers WanTransformer3DModel of the tiny config with deterministic weights (fp32, CPU); with
+    `kv_sensitive`, rescaled by `kv_sensitive_` so KV-cache compression shows in its rollouts."""
     from diffusers import WanTransformer3DModel
 
-    return reinit_(WanTransformer3DModel(**(config or TINY_DIT)), seed, "dit").eval()
+    transformer = reinit_(WanTransformer3DModel(**(config or TINY_DIT)), seed, "dit")
+    if kv_sensitive:
+        kv_sensitive_(transformer)
+    return transformer.eval()
 
 
-def tiny_dit(seed: int = 0, config: dict[str, Any] | None = None):
+def tiny_dit(seed: int = 0, config: dict[str, Any] | None = None, *, kv_sensitive: bool = False):
     from mmkv.pipelines.wan.model import CausalWan
 
-    return CausalWan(tiny_transformer(seed, config))
+    return CausalWan(tiny_transformer(seed, config, kv_sensitive=kv_sensitive))
 
 
 def original_state_dict(transformer) -> dict[str, torch.Tensor]:
@@ -253,11 +292,13 @@ def write_tiny_base(path: str | Path, layout: str = "diffusers", seed: int = 0) 
     return path
 
 
-def write_tiny_assets(root: str | Path, *, layout: str = "diffusers", seed: int = 0) -> dict[str, Path]:
+def write_tiny_assets(root: str | Path, *, layout: str = "diffusers", seed: int = 0,
+                      kv_sensitive: bool = False) -> dict[str, Path]:
     """Everything `mmkv generate video` needs, tiny: a base directory, a CausVid `model.pt` folder and a Causal
-    Forcing `.pt` of the same DiT. Use with `--frames 33 --height 32 --width 48` (frame-wise presets: 17 frames)."""
+    Forcing `.pt` of the same DiT (`kv_sensitive`: see `kv_sensitive_`). Use with `--frames 33 --height 32
+    --width 48` (frame-wise presets: 17 frames)."""
     root = Path(root)
-    transformer = tiny_transformer(seed)
+    transformer = tiny_transformer(seed, kv_sensitive=kv_sensitive)
     return {
         "base": write_tiny_base(root / f"base_{layout}", layout, seed=seed),
         "causvid": write_causvid_checkpoint(transformer, root / "causvid" / "model.pt").parent,
