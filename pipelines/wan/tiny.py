@@ -74,8 +74,8 @@ def reinit_(module: torch.nn.Module, seed: int, stream: str) -> torch.nn.Module:
     return module
 
 
-# Gains of `kv_sensitive_`, chosen by measurement (docs/decisions.d/demo_video.md): with them 2-bit
-# caches give ~25-31 dB PSNR and 4-bit ~34-41 dB on the demo grid, against ~41-47 / ~54-57 dB with the plain init.
+# Gains of `kv_sensitive_`, chosen by measurement (docs/decisions.d/demo_video.md). Full `mmkv demo`, per-codec mean
+# PSNR over 4 prompts: 2-bit caches 25-29 dB and 4-bit 34-42 dB, against 43-47 / 54-58 dB with the plain init.
 KV_SENSITIVE_GAINS: dict[str, float] = {"qk": 2.0, "self_attn_out": 3.0, "cross_attn_out": 0.5, "ffn_out": 0.5}
 
 
