@@ -100,9 +100,21 @@ def frame_curves(s: Summary, out_dir: Path) -> list[Path]:
             if not any((c := s.cell(g, r)) is not None and key in c.curves for r in s.rows):
                 continue
             spec = METRICS[key]
-            fig = _figure(max(4.6, 3.6 * len(blocks)), 3.4)
-            axes = fig.subplots(1, len(blocks), sharey=True, squeeze=False)[0]
-            for ax, bits in zip(axes, blocks):
+
+            def finite(r) -> bool:
+                c = s.cell(g, r)
+                return c is not None and key in c.curves and bool(np.isfinite(c.curves[key]).any())
+
+            # A codec identical to the reference at every frame (PSNR inf) has no curve: name it instead of
+            # drawing an empty panel.
+            identical = [r.label for r in s.rows if s.cell(g, r) is not None and key in s.cell(g, r).curves
+                         and not finite(r)]
+            panels = [b for b in blocks if any(finite(r) for r in s.rows if r.bits == b)]
+            if not panels:
+                continue
+            fig = _figure(max(4.6, 3.6 * len(panels)), 3.4)
+            axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+            for ax, bits in zip(axes, panels):
                 edges = set()
                 for r in (r for r in s.rows if r.bits == bits):
                     c = s.cell(g, r)
@@ -119,7 +131,8 @@ def frame_curves(s: Summary, out_dir: Path) -> list[Path]:
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7)
             axes[0].set_ylabel(f"{spec.label} ({spec.better} is better)")
-            fig.suptitle(f"{g.label}: per-frame {spec.label}, mean over items", fontsize=10)
+            note = f"\n(identical to the reference at every frame: {', '.join(identical)})" if identical else ""
+            fig.suptitle(f"{g.label}: per-frame {spec.label}, mean over items{note}", fontsize=10)
             path = out_dir / f"frames_{slug(g.label)}_{key}.png"
             fig.savefig(path, dpi=DPI)
             paths.append(path)
