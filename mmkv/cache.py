@@ -99,6 +99,12 @@ class CacheConfig:
     sink_units:       units never evicted by the rolling window (they are encoded unless also protected).
     attention:        "auto" (fused kernel on CUDA when one exists), "reference" (torch; score estimators for
                       codecs that define one) or "decode" (always decode + SDPA); see `mmkv.attention.attend`.
+    reuse_decoded:    keep each encoded unit's decode (store dtype) after its first use, so a unit is decoded once
+                      per rollout instead of on every attention call (a video block's 3-5 denoising passes, every
+                      later block). Faster quality sweeps, same outputs bit for bit; but the decodes are held beside
+                      the compressed bytes (`decoded_nbytes` in stats, not in nbytes), so memory is not saved. Off
+                      (default): decode per call into one layer's scratch. Key codecs with a score estimator keep
+                      using it (their encoded form is what they score).
     """
 
     codec: str | CodecConfig | None = None
@@ -110,6 +116,7 @@ class CacheConfig:
     attention_window: int | None = None
     sink_units: int = 0
     attention: str = "auto"
+    reuse_decoded: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str, value: Any) -> None:
@@ -134,6 +141,7 @@ class CacheConfig:
             self.attention_window,
         )
         need(_is_int(self.sink_units) and self.sink_units >= 0, "sink_units must be an int >= 0", self.sink_units)
+        need(isinstance(self.reuse_decoded, bool), "reuse_decoded must be True or False", self.reuse_decoded)
         need(
             self.sink_units == 0 or self.attention_window is not None,
             "sink_units only makes sense with a rolling attention_window; set attention_window or use protected_units",
@@ -176,6 +184,7 @@ class CacheConfig:
             "seed": self.seed,
             "attention_window": self.attention_window,
             "sink_units": self.sink_units,
+            "reuse_decoded": self.reuse_decoded,
             "attention": self.attention,
         }
 
@@ -195,6 +204,7 @@ class _Seg:
     k_enc: Encoded | None = None
     v_enc: Encoded | None = None
     skip_units: int = 0  # leading units evicted by the rolling window while the rest of the span is live
+    decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # whole-span decode kept by `reuse_decoded`
 
     @property
     def encoded(self) -> bool:
@@ -304,6 +314,7 @@ class KVStore:
         self._held = 0
         self._peak = 0
         self._scratch_peak = 0
+        self._decoded_peak = 0
 
     @property
     def is_native(self) -> bool:
@@ -485,14 +496,30 @@ class KVStore:
         """The layer's past in time order, as `mmkv.attention.Segment`s (what attention and kernels read)."""
         layer = self._check_layer(layer)
         kc, vc = self._k_codecs[layer], self._v_codecs[layer]
+        st = self._layers[layer]
+        reuse = self.config.reuse_decoded and kc is not None and not kc.has_scores
         out = []
-        for s in self._layers[layer].segs:
+        for s in st.segs:
             if s.encoded:
                 skip = sum(s.unit_tokens[: s.skip_units])
-                out.append(attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc, skip_tokens=skip))
+                seg = attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc, skip_tokens=skip)
+                if reuse:
+                    if s.decoded is None:
+                        s.decoded = attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc).decode(
+                            st.dtype)
+                        self._decoded_peak = max(self._decoded_peak, self.decoded_nbytes())
+                    seg = attention.Segment(k=s.decoded[0][..., skip:, :], v=s.decoded[1][..., skip:, :])
+                out.append(seg)
             else:
                 out.append(attention.Segment(k=s.k, v=s.v))
         return out
+
+    def decoded_nbytes(self) -> int:
+        """Bytes of the decodes kept by `reuse_decoded` (0 when it is off)."""
+        return sum(
+            s.decoded[0].numel() * s.decoded[0].element_size() * 2
+            for st in self._layers for s in st.segs if s.decoded is not None
+        )
 
     def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference: every stored unit decoded to the store dtype, concatenated: K, V [B, H, Tpast, D]."""
@@ -612,6 +639,8 @@ class KVStore:
             "bf16_nbytes": self.bf16_nbytes(),
             "peak_nbytes": self._peak,
             "scratch_peak_nbytes": self._scratch_peak,
+            "decoded_nbytes": self.decoded_nbytes(),  # reuse_decoded: decodes held beside the compressed bytes
+            "decoded_peak_nbytes": self._decoded_peak,
             "kv_ratio": None if math.isnan(ratio) else ratio,
             # per-layer codec constants, independent of context length and rebuilt from the seed: reported, not in
             # nbytes (a fused kernel keeps them resident, so quote them next to KV× at short contexts)
@@ -639,6 +668,7 @@ class KVStore:
             "bf16_nbytes": stats["bf16_nbytes"],
             "peak_nbytes": stats["peak_nbytes"],
             "scratch_peak_nbytes": stats["scratch_peak_nbytes"],
+            "decoded_peak_nbytes": stats["decoded_peak_nbytes"],
             "kv_ratio": stats["kv_ratio"],
             "k_payload_nbytes": stats["k_payload_nbytes"],
             "v_payload_nbytes": stats["v_payload_nbytes"],

@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--residual-window", type=int, default=1, metavar="W",
                    help="scales kept native, counting the current one (default 1: only the current scale)")
     g.add_argument("--value-group", type=int, default=16, help="V group size of single-name presets (default 16)")
+    g.add_argument("--reuse-decoded", action="store_true",
+                   help="decode each compressed unit once per rollout and keep the decode (same outputs bit for bit, much faster, but the decodes are held beside the compressed cache, so memory is not saved; default: decode on every attention call into one layer's scratch)")
     g.add_argument("--protected-layers", default="", metavar="I,J",
                    help="comma-separated block indices whose cache stays native (negative counts from the end)")
     g.add_argument("--codec-seed", type=int, default=0, help="codec seed (rotations); not the sampling seed")
@@ -183,6 +185,7 @@ def _make_store(ctx_args: argparse.Namespace, aar, spec: CodecSpec | None):
         protected_layers=_parse_layers(ctx_args.protected_layers),
         seed=ctx_args.codec_seed,
         attention=ctx_args.attention,
+        reuse_decoded=ctx_args.reuse_decoded,
     )
     return KVStore(cfg, num_layers=aar.depth, num_heads=aar.num_heads, head_dim=aar.config.head_dim)
 

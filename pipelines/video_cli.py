@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--residual-window", type=int, default=1, metavar="N",
                         help="newest latent frames kept native per layer (default 1)")
     parser.add_argument("--value-group", type=int, default=32, help="V group size for paired value codecs")
+    parser.add_argument("--reuse-decoded", action="store_true",
+                        help="decode each compressed unit once per rollout and keep the decode (same outputs bit for bit, much faster, but the decodes are held beside the compressed cache, so memory is not saved; default: decode on every attention call into one layer's scratch)")
     parser.add_argument("--protected-layers", default="", metavar="I,J",
                         help="layers whose cache stays native (comma-separated, negative from the end)")
     parser.add_argument("--protected-units", type=int, default=0, metavar="N",
@@ -286,7 +288,7 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
     store = pipe.make_store(None if spec is None else spec.preset, residual_window=args.residual_window,
                             value_group=args.value_group, seed=args.codec_seed, protected_layers=protected,
                             protected_units=args.protected_units, attention_window=plan["attention_window"],
-                            sink_units=plan["sink"])
+                            sink_units=plan["sink"], reuse_decoded=args.reuse_decoded)
     noise = NoiseStream(args.seed, index)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

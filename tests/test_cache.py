@@ -640,3 +640,63 @@ def test_manifest_is_json_and_records_the_setup():
     assert m["residual_window"] == 1 and m["protected_layers"] == [L - 1] and m["protected_units"] == 1
     assert m["nbytes"] == store.nbytes() and m["kv_ratio"] == pytest.approx(store.kv_ratio)
     assert m["tokens_per_layer"] == [3 * UNIT] * L
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reuse_decoded: decode each unit once per rollout, same outputs
+
+
+@pytest.mark.parametrize("codec", [c for c in ALL_CODECS if not get_codec_class(c.split(":")[0]).has_scores])
+@pytest.mark.parametrize("attention_window", [None, 3])
+def test_reuse_decoded_is_bit_identical_and_decodes_each_unit_once(codec, attention_window):
+    gen = torch.Generator().manual_seed(11)
+    plain = store_for(codec, residual_window=1, attention_window=attention_window)
+    reuse = store_for(codec, residual_window=1, attention_window=attention_window, reuse_decoded=True)
+    decodes: list[int] = []
+    for layer in range(L):
+        for which in (reuse.k_codec(layer), reuse.v_codec(layer)):
+            original = which.decode
+
+            def counting(enc, dtype=None, _orig=original):
+                decodes.append(enc.shape[2])
+                return _orig(enc, dtype)
+
+            which.decode = counting
+    total = 0
+    for n in commit_schedule():
+        for layer in range(L):
+            k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
+            for store in (plain, reuse):
+                store.append(layer, k, v, num_units=n, first_unit=total)
+        total += n
+        for _ in range(3):  # denoising passes of one block read the same past
+            q, kc, vc = rand(gen, UNIT), rand(gen, UNIT), rand(gen, UNIT)
+            for layer in range(L):
+                assert torch.equal(plain.attend(layer, q, kc, vc), reuse.attend(layer, q, kc, vc))
+    # every encoded span was decoded once (K and V), however many passes read it
+    encoded_tokens = sum(
+        s.k_enc.shape[-2] for layer in range(L) for s in reuse._layers[layer].segs if s.encoded
+    )
+    assert sum(decodes) <= 2 * sum(len(reuse.encoded_units(l)) for l in range(L)) * UNIT
+    assert sum(decodes) >= 2 * encoded_tokens
+    stats = reuse.stats()
+    assert plain.stats()["decoded_nbytes"] == 0 and stats["decoded_peak_nbytes"] >= stats["decoded_nbytes"] > 0
+    assert reuse.nbytes() == plain.nbytes()  # the kept decodes are reported apart, not hidden in nbytes
+
+
+def test_reuse_decoded_keeps_score_estimators():
+    name = next(n for n in codecs.names() if get_codec_class(n).has_scores)
+    gen = torch.Generator().manual_seed(12)
+    stores = [store_for(name, residual_window=1, reuse_decoded=r) for r in (False, True)]
+    for layer in range(L):
+        k, v = rand(gen, UNIT * 3), rand(gen, UNIT * 3)
+        for store in stores:
+            store.append(layer, k, v, num_units=3)
+    q = rand(gen, UNIT)
+    assert torch.equal(stores[0].attend(0, q), stores[1].attend(0, q))
+    assert stores[1].stats()["decoded_nbytes"] == 0
+
+
+def test_reuse_decoded_must_be_a_bool():
+    with pytest.raises(KVCacheError, match="reuse_decoded"):
+        CacheConfig(reuse_decoded="yes")

@@ -200,3 +200,20 @@ def test_bad_input_gives_a_clear_error(env, tmp_path, capsys, case, expect):
     if case in ("empty_prompts", "binary_prompts"):
         assert "p.txt" in err
     assert not out.exists()  # nothing is created before the input is known to be good
+
+
+def test_reuse_decoded_renders_the_same_frames(env):
+    """--reuse-decoded decodes each unit once per rollout: the frames and latents are bit-identical to decoding on
+    every attention call, and the manifest says which mode ran."""
+    runs = {}
+    for flag in ((), ("--reuse-decoded",)):
+        out = env["root"] / f"reuse{len(flag)}"
+        assert main(argv(env, out, "--codecs", LOSSY, "--max-prompts", "1", *flag)) == 0
+        runs[bool(flag)] = out
+    (a,), (b,) = ([d for d in out.glob("rollouts/*/groupquant*")] for out in runs.values())
+    assert np.array_equal(np.load(a / "frames.npy"), np.load(b / "frames.npy"))
+    assert torch.equal(load_file(str(a / "latents.safetensors"))["latents"],
+                       load_file(str(b / "latents.safetensors"))["latents"])
+    cache_a, cache_b = (json.loads((d / "rollout.json").read_text())["cache"] for d in (a, b))
+    assert (cache_a["reuse_decoded"], cache_b["reuse_decoded"]) == (False, True)
+    assert cache_a["nbytes"] == cache_b["nbytes"] and cache_a["decoded_peak_nbytes"] == 0 < cache_b["decoded_peak_nbytes"]

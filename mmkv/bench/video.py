@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=21, help="latent frames (default 21)")
     parser.add_argument("--latent-size", default="60x104", help="latent HxW (default 60x104 = 480x832 pixels)")
     parser.add_argument("--residual-window", type=int, default=1)
+    parser.add_argument("--reuse-decoded", action="store_true",
+                        help="decode each unit once per rollout (faster; the decodes are held, memory not saved)")
     parser.add_argument("--json", type=Path, help="write the rows here")
 
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     heads, head_dim, layers = cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["num_layers"]
 
     def one(codec: str | None, frames: int) -> dict:
-        store = KVStore(CacheConfig(codec=codec, residual_window=args.residual_window), num_layers=layers,
+        store = KVStore(CacheConfig(codec=codec, residual_window=args.residual_window,
+                                    reuse_decoded=args.reuse_decoded), num_layers=layers,
                         num_heads=heads, head_dim=head_dim)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -132,12 +132,14 @@ class WanVideoPipeline:
     # -- cache -------------------------------------------------------------------------------------------------
     def make_store(self, codec: str | None, *, residual_window: int, value_group: int = 32, seed: int = 0,
                    protected_layers: tuple[int, ...] = (), protected_units: int = 0,
-                   attention_window: int | None = None, sink_units: int = 0) -> KVStore:
+                   attention_window: int | None = None, sink_units: int = 0,
+                   reuse_decoded: bool = False) -> KVStore:
         """A KV store for this model; `attention_window` / `sink_units` in the store's units (latent frames kept
         besides the current block; see `store_window` for Self-Forcing's `local_attn_size`)."""
         cfg = CacheConfig(codec=codec, value_group=value_group, residual_window=residual_window,
                           protected_layers=protected_layers, protected_units=protected_units, seed=seed,
-                          attention_window=attention_window, sink_units=sink_units if attention_window else 0)
+                          attention_window=attention_window, sink_units=sink_units if attention_window else 0,
+                          reuse_decoded=reuse_decoded)
         return KVStore(cfg, num_layers=self.dit.num_layers, num_heads=self.dit.num_heads, head_dim=self.dit.head_dim)
 
     # -- generation --------------------------------------------------------------------------------------------
