@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (command words, module, one-line help)
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except (UsageError, FileNotFoundError, ValueError) as err:
-        # Errors a user can act on: say what was wrong, no traceback.
+        # Errors a user can act on: say what was wrong, no traceback (MMKV_DEBUG=1 shows it).
+        if os.environ.get("MMKV_DEBUG"):
+            raise
         print(f"mmkv {' '.join(words)}: error: {err}", file=sys.stderr)
         return 2
 
