@@ -66,9 +66,11 @@ def boundaries(centroids: torch.Tensor) -> torch.Tensor:
 def token_block(T, BT: tl.constexpr):
     """The block a program of a (cdiv(T, BT), rows) launch owns: (row, row as int64 for offsets, first token t0,
     tokens in the block n_tok = min(T - t0, BT)). Every codec kernel's grid has this shape."""
+    pid_t = tl.program_id(0)
     row = tl.program_id(1)
-    t0 = tl.program_id(0) * BT
-    return row, row.to(tl.int64), t0, tl.minimum(T - t0, BT)
+    row64 = row.to(tl.int64)
+    t0 = pid_t * BT
+    return row, row64, t0, tl.minimum(T - t0, BT)
 
 
 @triton.jit
