@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     meta["seconds"] = round(time.time() - t0, 1)
     print(render(rows))
     if args.json:
-        from mmkv.pipelines.common import atomic_write_json
+        from mmkv.io import atomic_write_json
 
         atomic_write_json(args.json, {"meta": meta, "rows": rows})
         print(f"wrote {args.json}")

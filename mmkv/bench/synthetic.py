@@ -440,7 +440,7 @@ def render_markdown(rows: list[dict], p: Protocol, seconds: float | None = None,
 
 def write_json(rows: list[dict], path: Path) -> None:
     """A JSON list of rows (every `ROW_FIELDS` key; non-finite numbers as strings, the table writer's convention)."""
-    from mmkv.pipelines.common import atomic_write_text
+    from mmkv.io import atomic_write_text
     from mmkv.report.tables import to_dict
 
     records = to_dict(_table("synthetic_all", "all rows", rows, list(ROW_FIELDS)))["rows"]
@@ -449,7 +449,7 @@ def write_json(rows: list[dict], path: Path) -> None:
 
 def write_csv(rows: list[dict], path: Path) -> None:
     """All rows in one CSV, columns `ROW_FIELDS`."""
-    from mmkv.pipelines.common import atomic_write_text
+    from mmkv.io import atomic_write_text
     from mmkv.report.tables import to_csv
 
     atomic_write_text(path, to_csv(_table("synthetic_all", "all rows", rows, list(ROW_FIELDS))))
@@ -462,7 +462,7 @@ def write_plot(rows: list[dict], path: Path, p: Protocol) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mmkv.pipelines.common import atomic_path
+    from mmkv.io import atomic_path
 
     fig, (ax_m, ax_n) = plt.subplots(1, 2, figsize=(13, 5.2))
     series: dict[str, list[dict]] = {}

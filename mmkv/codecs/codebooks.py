@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from mmkv.io import atomic_write_text
 
 DATA_DIR = Path(__file__).with_name("data")
 
@@ -77,13 +77,7 @@ def build(out_dir: Path = DATA_DIR, families: list[str] | None = None) -> list[P
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for fam in families or sorted(_families()):
-        text = render(fam)
-        path = out_dir / f"{fam}.json"
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{fam}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-        written.append(path)
+        written.append(atomic_write_text(out_dir / f"{fam}.json", render(fam)))
     _FILES.clear()
     _CACHE.clear()
     return written

@@ -20,7 +20,8 @@ from urllib.parse import quote
 import numpy as np
 
 from mmkv.report.plots import slug
-from mmkv.report.runs import REFERENCE, Rollout, RunSet, atomic_write_text
+from mmkv.io import atomic_write_text
+from mmkv.report.runs import REFERENCE, Rollout, RunSet
 from mmkv.report.summary import METRICS, Summary
 
 STILL_WIDTH = 320  # px; posters are area-averaged down to at most this width
