@@ -7,7 +7,7 @@ STAMP := $(VENV)/.mmkv-installed
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(VENV)/bin/python -m pip install -q --upgrade pip 'setuptools>=68,<82' wheel
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
