@@ -91,15 +91,25 @@ def run(args: argparse.Namespace) -> int:
         })
         del res
         torch.cuda.empty_cache()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 1.3B random weights, {preset.name}, "
-          f"{args.frames} latent frames {h}x{w}")
-    print("| codec | s | x bf16 | KV bytes | KVx | peak KV | bf16 KV / KVx | peak CUDA | rel. latent diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['codec']} | {r['seconds']:.2f} | {r['ratio_to_bf16']:.2f} | {r['kv_bytes']/2**20:.0f} MiB | "
-              f"{r['kv_ratio']:.2f} | {r['peak_kv_bytes']/2**20:.0f} MiB | {r['bf16_kv_over_kvx']/2**20:.0f} MiB | "
-              f"{r['peak_cuda_bytes']/2**30:.2f} GiB | {r['rel_latent_diff']:.3f} |")
+    print(table(rows, f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Wan 1.3B random weights, "
+                      f"{preset.name}, {args.frames} latent frames {h}x{w}"))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def table(rows: list[dict], title: str) -> str:
+    """The rows as Markdown through the project's one table writer."""
+    from mmkv.report.tables import Column, Table, to_markdown
+
+    mib, gib = 2.0**20, 2.0**30
+    cols = [Column("codec", ("codec",)), Column("seconds", ("s",), "{:.2f}"),
+            Column("ratio_to_bf16", ("x bf16 cache",), "{:.2f}"), Column("kv_mib", ("KV MiB",), "{:.0f}"),
+            Column("kv_ratio", ("KVx",), "{:.2f}"), Column("peak_kv_mib", ("peak KV MiB",), "{:.0f}"),
+            Column("bound_mib", ("bf16 KV / KVx MiB",), "{:.0f}"),
+            Column("peak_cuda_gib", ("peak CUDA GiB",), "{:.2f}"),
+            Column("rel_latent_diff", ("rel. latent diff",), "{:.3f}")]
+    body = [[r["codec"], r["seconds"], r["ratio_to_bf16"], r["kv_bytes"] / mib, r["kv_ratio"], r["peak_kv_bytes"] / mib,
+             r["bf16_kv_over_kvx"] / mib, r["peak_cuda_bytes"] / gib, r["rel_latent_diff"]] for r in rows]
+    return to_markdown(Table("bench_video", title, cols, body))
