@@ -9,7 +9,6 @@ the quality columns only show that the rollouts differ, not how much a real mode
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -94,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows, f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Wan 1.3B random weights, "
                       f"{preset.name}, {args.frames} latent frames {h}x{w}"))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
+        from mmkv.io import atomic_write_json
+
+        atomic_write_json(args.json, rows)
     return 0
 
 
