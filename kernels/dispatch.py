@@ -28,6 +28,7 @@ KERNELS = {
     "oscar": "oscar",
     "polarquant": "polarquant",
     "qjl": "qjl",
+    "qvg": "qvg",
     "turboquant-mse": "turboquant_mse",
     "turboquant-prod": "turboquant_prod",
 }

@@ -34,6 +34,7 @@ PRESETS = [
     "turboquant-mse:b=2", "turboquant-mse:b=3", "turboquant-mse:b=4", "turboquant-prod:b=3", "qjl:bits=2",
     "polarquant:b=2", "groupquant:bits=2,group=32", "groupquant:bits=4,group=32", "kivi:bits=2,group=32",
     "kivi:bits=2,group=32,role=v", "oscar:bits=2,group=32", "oscar:bits=2,group=32,role=v",
+    "qvg:bits=2", "qvg:bits=4",
 ]
 # Reference at the LLM shape only for these (the others are checked at the video shape); the references of the
 # rotation codecs hold [.., T, 43, 9, 3]-sized temporaries.
@@ -43,8 +44,9 @@ VARIANTS = [2, 8]
 
 
 def reference_encode(codec, x):
-    """The torch reference, whatever `Codec.encode` dispatches to: `_encode` on fp32, as `Codec.encode` does."""
-    enc = codec._encode(x.float())
+    """The torch reference, whatever `Codec.encode` dispatches to: `_encode` on fp32, as `Codec.encode` does (QVG
+    forms its residuals in the input dtype, so its reference takes x as it is)."""
+    enc = codec._encode(x if codec.name == "qvg" else x.float())
     enc.shape, enc.dtype, enc.codec = tuple(x.shape), x.dtype, str(codec.config)
     return enc
 
@@ -243,8 +245,9 @@ def main(argv=None) -> int:
             print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.0f} | {v['encode_ms'] / cp:.2f} | | | | | | | | |")
     print(f"\ncopy ms: {copies}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"copy": copy, "copies_ms": copies, "rows": rows}, fh, indent=1)
+        from mmkv.io import atomic_write_json
+
+        atomic_write_json(args.json, {"copy": copy, "copies_ms": copies, "rows": rows})
     return 0
 
 

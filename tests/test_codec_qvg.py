@@ -384,3 +384,17 @@ def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
     want = v.to(torch.float8_e4m3fn)
     assert torch.equal(bits, want.view(torch.uint8).int()) and torch.equal(val, want.float())
     assert torch.equal(back, want.float())
+
+
+def test_dispatch_lists_the_qvg_kernels(monkeypatch):
+    """On CUDA (or under the interpreter) `Codec.encode/decode` of qvg run the Triton kernels; parameters the kernels
+    do not cover (a head dim that is not a power of two) fall back to the reference."""
+    k = _kernels()
+    from mmkv.kernels import dispatch
+
+    codec = build("qvg:bits=2,centroids=16,block=16", head_dim=32, num_heads=3)
+    assert dispatch.lookup("encode", codec) is k["qvg_encode"].encode
+    assert dispatch.lookup("decode", codec) is k["qvg_decode"].decode
+    assert dispatch.lookup("encode", build("qvg:block=16", head_dim=48)) is None
+    monkeypatch.setenv("MMKV_KERNELS", "0")
+    assert dispatch.lookup("decode", codec) is None
