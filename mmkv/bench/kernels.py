@@ -238,13 +238,13 @@ class _Bench:
         rows = []
         lk, (_, h, _, d) = k.shape[-2], q.shape
         kcod, vcod = self.codecs(preset, h, d)
-        kch, ke = self.encode_chunked(kcod, k)
-        vch, ve = self.encode_chunked(vcod, v)
-        seg = Segment(k_enc=ke, v_enc=ve, k_codec=kcod, v_codec=vcod)
         kernel = attention_kernel(kcod.config, vcod.config)
         if kernel is None:
             print(f"  {preset}: no fused kernel", flush=True)
             return rows
+        kch, ke = self.encode_chunked(kcod, k)
+        vch, ve = self.encode_chunked(vcod, v)
+        seg = Segment(k_enc=ke, v_enc=ve, k_codec=kcod, v_codec=vcod)
         out, _ = kernel(q, [seg], scale)
         path = kernel.last_path
         # References chunk by chunk: exact fp32 attention over the fp32 decode, and decode-to-bf16 + SDPA.
