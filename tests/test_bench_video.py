@@ -8,20 +8,27 @@ from mmkv.cli import main
 
 def test_table_has_a_row_per_codec_with_its_ratio():
     rows = [
-        {"codec": "bf16 cache", "seconds": 3.0, "ratio_to_bf16": 1.0, "kv_bytes": 6 << 30, "kv_ratio": 1.0,
+        {"codec": "bf16 cache", "frames": 21, "seconds": 3.0, "ratio_to_bf16": 1.0, "kv_bytes": 6 << 30, "kv_ratio": 1.0,
          "peak_kv_bytes": 6 << 30, "bf16_kv_over_kvx": 6 << 30, "peak_cuda_bytes": 9 << 30, "rel_latent_diff": 0.0},
-        {"codec": "octopus:b=2", "seconds": 3.3, "ratio_to_bf16": 1.1, "kv_bytes": 1 << 30, "kv_ratio": 4.67,
+        {"codec": "octopus:b=2", "frames": 21, "seconds": 3.3, "ratio_to_bf16": 1.1, "kv_bytes": 1 << 30, "kv_ratio": 4.67,
          "peak_kv_bytes": 5 << 29, "bf16_kv_over_kvx": 1315 << 20, "peak_cuda_bytes": 4 << 30, "rel_latent_diff": 0.41},
     ]
     text = video.table(rows, "H200")
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
     assert len(lines) == 3 and "x bf16 cache" in lines[0]
-    assert "| octopus:b=2 | 3.30 | 1.10 | 1024 | 4.67 | 2560 | 1315 | 4.00 | 0.410 |" in text
+    assert "| octopus:b=2 | 21 | 3.30 | 1.10 | 1024 | 4.67 | 2560 | 1315 | 4.00 | nan | 0.410 |" in text
 
 
 def test_codec_list_is_split_on_semicolons():
     assert video._codecs("octopus:b=2;oscar:bits=2,group=32; ;turboquant-mse:b=2") == [
         "octopus:b=2", "oscar:bits=2,group=32", "turboquant-mse:b=2"]
+
+
+def test_frame_list_is_parsed_and_checked():
+    assert video._frames("21") == [21] and video._frames("21,42") == [21, 42]
+    for bad in ("", "0", "a,3", "21,-3"):
+        with pytest.raises(ValueError, match="--frames"):
+            video._frames(bad)
 
 
 def test_refuses_without_cuda(capsys):

@@ -2,13 +2,16 @@
 
 Issue 4's performance check: 21 latent frames at 480x832 (60x104 latents, 1560 tokens per frame), each codec's wall time
 as a ratio to the bf16 cache measured in the same process, measured KV bytes, KV x, peak KV and peak CUDA memory.
-Every codec is warmed up once on a short rollout first (Triton compilation stays out of the timings). Random weights:
+Every codec is warmed up once on a short rollout first (Triton compilation stays out of the timings); each
+rollout is then timed `--repeats` times and the median reported (run-to-run spread on the H200 is a few per
+cent). Random weights:
 the quality columns only show that the rollouts differ, not how much a real model would.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -19,11 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="causvid", help="loop preset (default causvid)")
     parser.add_argument("--codecs", default=DEFAULT_CODECS,
                         help=f"codec presets separated by ';' (presets contain commas; default {DEFAULT_CODECS!r})")
-    parser.add_argument("--frames", type=int, default=21, help="latent frames (default 21)")
+    parser.add_argument("--frames", default="21",
+                        help="latent frames, or a comma list (e.g. 21,42 with --window: the peak stays flat)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="rolling attention window in latent frames (default: global attention)")
+    parser.add_argument("--sink", type=int, default=0, help="sink frames kept by the rolling window (default 0)")
     parser.add_argument("--latent-size", default="60x104", help="latent HxW (default 60x104 = 480x832 pixels)")
     parser.add_argument("--residual-window", type=int, default=1)
     parser.add_argument("--reuse-decoded", action="store_true",
                         help="decode each unit once per rollout (faster; the decodes are held, memory not saved)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rollouts per codec and frame count; the median is reported (default 3)")
     parser.add_argument("--json", type=Path, help="write the rows here")
 
 
@@ -57,41 +66,52 @@ def run(args: argparse.Namespace) -> int:
 
     def one(codec: str | None, frames: int) -> dict:
         store = KVStore(CacheConfig(codec=codec, residual_window=args.residual_window,
-                                    reuse_decoded=args.reuse_decoded), num_layers=layers,
+                                    reuse_decoded=args.reuse_decoded, attention_window=args.window,
+                                    sink_units=args.sink), num_layers=layers,
                         num_heads=heads, head_dim=head_dim)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()  # the model, the text context and the baseline latents kept
         t0 = time.perf_counter()
         with torch.no_grad(), store.attach(dit.transformer):
             r = rollout(dit, preset, ctx, NoiseStream(0, 0), num_frames=frames, latent_height=h, latent_width=w)
         torch.cuda.synchronize()
-        return {"seconds": time.perf_counter() - t0, "latents": r.latents.float(), "store": store,
-                "peak_cuda": torch.cuda.max_memory_allocated()}
+        # the store's figures, not the store: a held store (the bf16 baseline's 5.6 GiB) would inflate the next
+        # rollouts' CUDA peaks
+        return {"seconds": time.perf_counter() - t0, "latents": r.latents.float(), "kv_bytes": store.nbytes(),
+                "bf16_kv_bytes": store.bf16_nbytes(), "kv_ratio": store.kv_ratio, "stats": store.stats(),
+                "peak_kv_bytes": store.peak_nbytes, "peak_cuda": torch.cuda.max_memory_allocated(),
+                "peak_cuda_over_model": torch.cuda.max_memory_allocated() - before}
 
     fpb = preset.frames_per_block
+    bases: dict[int, dict] = {}
     rows = []
-    base = None
+    frame_counts = _frames(args.frames)
     for codec in [None, *_codecs(args.codecs)]:
-        one(codec, fpb * 2)  # warm-up: kernel compilation, allocator
-        res = one(codec, args.frames)
-        st = res["store"]
-        if codec is None:
-            base = res
-        err = float((res["latents"] - base["latents"]).norm() / base["latents"].norm())
-        s = st.stats()
-        rows.append({
-            "model": preset.name, "codec": codec or "bf16 cache", "frames": args.frames, "latent": f"{h}x{w}",
-            "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(res["seconds"] / base["seconds"], 3),
-            "kv_bytes": st.nbytes(), "bf16_kv_bytes": st.bf16_nbytes(), "kv_ratio": round(st.kv_ratio, 3),
-            "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
-            "peak_kv_bytes": st.peak_nbytes, "peak_cuda_bytes": res["peak_cuda"],
-            "bf16_kv_over_kvx": int(base["store"].peak_nbytes / st.kv_ratio) if st.kv_ratio else None,
-            "rel_latent_diff": round(err, 4),
-        })
-        del res
+        try:
+            one(codec, fpb * 2)  # warm-up: kernel compilation, allocator
+            for frames in frame_counts:
+                runs = [one(codec, frames) for _ in range(max(1, args.repeats))]
+                res = runs[0]
+                res["all_seconds"] = [r["seconds"] for r in runs]
+                res["seconds"] = statistics.median(res["all_seconds"])
+                del runs
+                if codec is None:
+                    bases[frames] = res
+                rows.append(_row(preset.name, codec, frames, f"{h}x{w}", args, res, bases[frames]))
+                print(f"{rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
+                      f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
+                del res
+        except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
+            if codec is None:
+                raise
+            import traceback
+
+            print(f"FAILED {codec}:\n{traceback.format_exc()}", flush=True)
         torch.cuda.empty_cache()
     print(table(rows, f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Wan 1.3B random weights, "
-                      f"{preset.name}, {args.frames} latent frames {h}x{w}"))
+                      f"{preset.name}, latent {h}x{w}, window {args.window or 'global'}, sink {args.sink}"))
     if args.json:
         from mmkv.io import atomic_write_json
 
@@ -99,17 +119,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _frames(text: str) -> list[int]:
+    try:
+        frames = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        frames = []
+    if not frames or min(frames) < 1:
+        raise ValueError(f"--frames must be a positive int or a comma list of them, got {text!r}")
+    return frames
+
+
+def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dict, base: dict) -> dict:
+    err = float((res["latents"] - base["latents"]).norm() / base["latents"].norm())
+    s, kvx = res["stats"], res["kv_ratio"]
+    return {
+        "model": model, "codec": codec or "bf16 cache", "frames": frames, "latent": latent,
+        "window": args.window, "sink": args.sink, "reuse_decoded": bool(args.reuse_decoded),
+        "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(res["seconds"] / base["seconds"], 3),
+        "all_seconds": [round(x, 3) for x in res.get("all_seconds", [res["seconds"]])],
+        "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),
+        "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
+        "peak_kv_bytes": res["peak_kv_bytes"], "peak_cuda_bytes": res["peak_cuda"],
+        "peak_cuda_over_model_bytes": res["peak_cuda_over_model"],
+        "bf16_kv_over_kvx": int(base["peak_kv_bytes"] / kvx) if kvx else None,
+        "rel_latent_diff": round(err, 4),
+    }
+
+
 def table(rows: list[dict], title: str) -> str:
     """The rows as Markdown through the project's one table writer."""
     from mmkv.report.tables import Column, Table, to_markdown
 
     mib, gib = 2.0**20, 2.0**30
-    cols = [Column("codec", ("codec",)), Column("seconds", ("s",), "{:.2f}"),
+    cols = [Column("codec", ("codec",)), Column("frames", ("frames",)), Column("seconds", ("s",), "{:.2f}"),
             Column("ratio_to_bf16", ("x bf16 cache",), "{:.2f}"), Column("kv_mib", ("KV MiB",), "{:.0f}"),
             Column("kv_ratio", ("KVx",), "{:.2f}"), Column("peak_kv_mib", ("peak KV MiB",), "{:.0f}"),
             Column("bound_mib", ("bf16 KV / KVx MiB",), "{:.0f}"),
             Column("peak_cuda_gib", ("peak CUDA GiB",), "{:.2f}"),
+            Column("peak_over_model_gib", ("peak CUDA over model GiB",), "{:.2f}"),
             Column("rel_latent_diff", ("rel. latent diff",), "{:.3f}")]
-    body = [[r["codec"], r["seconds"], r["ratio_to_bf16"], r["kv_bytes"] / mib, r["kv_ratio"], r["peak_kv_bytes"] / mib,
-             r["bf16_kv_over_kvx"] / mib, r["peak_cuda_bytes"] / gib, r["rel_latent_diff"]] for r in rows]
+    body = [[r["codec"], r["frames"], r["seconds"], r["ratio_to_bf16"], r["kv_bytes"] / mib, r["kv_ratio"],
+             r["peak_kv_bytes"] / mib, r["bf16_kv_over_kvx"] / mib, r["peak_cuda_bytes"] / gib,
+             r.get("peak_cuda_over_model_bytes", float("nan")) / gib, r["rel_latent_diff"]] for r in rows]
     return to_markdown(Table("bench_video", title, cols, body))
