@@ -376,9 +376,10 @@ class KVStore:
 
         # 2. Encode them (exactly once) before touching the store, so a failing encode leaves it as it was.
         staged = []
+        finite = self._all_finite(leaving, natives, new)
         for group in self._groups(leaving):
             try:
-                staged.append(self._encode(layer, group, natives, new))
+                staged.append(self._encode(layer, group, natives, new, finite))
             except CodecError as err:
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
 
@@ -444,12 +445,24 @@ class KVStore:
         m = self.span_units
         return [run[i : i + m] for run in runs for i in range(0, len(run) - len(run) % m, m)]
 
+    @staticmethod
+    def _all_finite(leaving: list[int], natives: dict[int, _Seg], new: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                    ) -> bool:
+        """Whether every K/V element of the units about to be encoded is finite: one reduction and one host sync for
+        the whole append, instead of one scan (and sync) per codec call. When it is False the codecs scan again and
+        the first one to find a NaN/Inf names it."""
+        tensors = [t for u in leaving for t in (new[u] if u in new else (natives[u].k, natives[u].v))]
+        if not tensors or tensors[0].device.type == "meta":  # nothing to scan (simulate_peak_nbytes' shapes)
+            return True
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
     def _encode(
         self,
         layer: int,
         group: list[int],
         natives: dict[int, _Seg],
         new: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        finite: bool = False,
     ) -> tuple[_Seg, list[_Seg], int]:
         """Encode one group of consecutive units; returns (encoded segment, native segments it replaces, K numel)."""
         ks, vs, sources = [], [], []
@@ -465,7 +478,8 @@ class KVStore:
         k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         kc, vc = self._k_codecs[layer], self._v_codecs[layer]
-        seg = _Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k), v_enc=vc.encode(v))
+        seg = _Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k, assume_finite=finite),
+                   v_enc=vc.encode(v, assume_finite=finite))
         return seg, sources, k.numel()
 
     def _evict(self, st: _Layer, live) -> None:
@@ -812,7 +826,7 @@ def simulate_peak_nbytes(
     def measured(codec: Codec):
         real = codec.encode
 
-        def encode(x: torch.Tensor) -> Encoded:
+        def encode(x: torch.Tensor, **_: Any) -> Encoded:
             key = (str(codec.config), tuple(x.shape), x.dtype)
             if key not in memo:
                 probe = torch.randn(x.shape, generator=gen).to(device=probe_device, dtype=x.dtype)

@@ -147,9 +147,9 @@ def test_each_unit_is_encoded_exactly_once(codec):
         for which in (store.k_codec(layer), store.v_codec(layer)):
             original = which.encode
 
-            def counting(x, _orig=original):
+            def counting(x, _orig=original, **kw):
                 seen.append(x.shape[2])
-                return _orig(x)
+                return _orig(x, **kw)
 
             which.encode = counting
     total = 0
@@ -553,6 +553,30 @@ def test_failed_encode_leaves_the_store_unchanged():
     assert (store.nbytes(), store.num_units(0), store.encoded_units(0), store.stats()) == before
     store.append(0, rand(gen, UNIT), rand(gen, UNIT), first_unit=1)  # the rollout goes on from where it was
     assert store.encoded_units(0) == [0, 1]
+
+
+def test_one_finiteness_scan_per_append_and_nan_still_named(monkeypatch):
+    """The store scans the units it encodes for NaN/Inf once per append (one host sync on CUDA) and tells the codecs
+    not to scan again; a NaN in a native unit that leaves the window later is still refused by name."""
+    gen = torch.Generator().manual_seed(17)
+    store = store_for("groupquant:bits=2,group=16", residual_window=1)
+    flags: list[bool] = []
+    for which in (store.k_codec(0), store.v_codec(0)):
+        original = which.encode
+
+        def spy(x, _orig=original, **kw):
+            flags.append(kw.get("assume_finite", False))
+            return _orig(x, **kw)
+
+        which.encode = spy
+    store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
+    assert flags == [True] * 4  # units 0 and 1 left the window: K and V of each, no scan of their own
+    v = rand(gen, UNIT)
+    v[0, 0, 0, 0] = float("inf")
+    store.append(0, rand(gen, UNIT), v)  # unit 3 stays native for now: nothing is encoded, nothing scanned
+    with pytest.raises(KVCacheError, match=r"encoding units \[3\] failed; nothing was stored.*NaN/Inf"):
+        store.append(0, rand(gen, UNIT), rand(gen, UNIT))
+    assert flags[-1] is False  # the scan found it, and the codec's own check named it
 
 
 def test_codec_whose_head_dim_the_layer_lacks():

@@ -153,9 +153,9 @@ def test_only_commits_encode_and_the_window_holds_residual_window_frames(dit, co
         for codec in (store.k_codec(layer), store.v_codec(layer)):
             encode = codec.encode
 
-            def spy(x, _encode=encode):
+            def spy(x, _encode=encode, **kw):
                 modes.append(dit.state.mode)
-                return _encode(x)
+                return _encode(x, **kw)
 
             codec.encode = spy
     native_after_commit = []

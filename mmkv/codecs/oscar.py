@@ -48,8 +48,8 @@ class OscarCodec(Codec):
         self.axis = check_role(self, self.config["role"])
         self.role = self.config["role"]
 
-    def check_input(self, x: torch.Tensor) -> None:
-        super().check_input(x)
+    def check_input(self, x: torch.Tensor, finite: bool = True) -> None:
+        super().check_input(x, finite)
         # The omni-token norm spans every KV head of the layer, so the head axis must be the one the codec was built
         # for; with one head a 3-D input whose dim -3 is not 1 is ambiguous (heads or batch?) and is refused.
         if self.role == "k" and x.dim() >= 3 and x.shape[-3] != self.num_heads:

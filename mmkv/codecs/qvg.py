@@ -245,9 +245,9 @@ class QVGCodec(Codec):
         self.qmax = (1 << (self.bits - 1)) - 1
 
     # -- protocol ----------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, *, assume_finite: bool = False) -> Encoded:
         # Not Codec.encode: that hands _encode fp32, and QVG forms its residuals in the input dtype (§2.5).
-        self.check_input(x)
+        self.check_input(x, finite=not assume_finite)
         if x.shape[-2] == 0:
             raise CodecError(f"codec {self.config} (layer {self.layer}): a span needs at least one token, got 0")
         kernel = _kernel(self, "encode", x.device)
