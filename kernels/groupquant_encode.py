@@ -141,7 +141,8 @@ def minmax_encode(
             D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
             ROUNDED=zero_point == "rounded", num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
         )
-    if scale.numel() and not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+    # one reduction, one host sync (two `.all()` tested in turn would sync twice)
+    if scale.numel() and not bool(torch.isfinite(scale).all() & torch.isfinite(offset).all()):
         big = float(x.float().abs().max())
         raise CodecError(
             f"{where}: group scale/offset overflow {meta_dtype} (largest |value| {big:.4g}); use meta=fp32 for inputs "
