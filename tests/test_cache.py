@@ -570,13 +570,51 @@ def test_one_finiteness_scan_per_append_and_nan_still_named(monkeypatch):
 
         which.encode = spy
     store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
-    assert flags == [True] * 4  # units 0 and 1 left the window: K and V of each, no scan of their own
+    assert flags == [True] * 2  # units 0 and 1 left the window, one merged call for K and one for V, no scan
     v = rand(gen, UNIT)
     v[0, 0, 0, 0] = float("inf")
     store.append(0, rand(gen, UNIT), v)  # unit 3 stays native for now: nothing is encoded, nothing scanned
     with pytest.raises(KVCacheError, match=r"encoding units \[3\] failed; nothing was stored.*NaN/Inf"):
         store.append(0, rand(gen, UNIT), rand(gen, UNIT))
     assert flags[-1] is False  # the scan found it, and the codec's own check named it
+
+
+@pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2", "identity", "kivi:bits=2,group=32"])
+def test_merged_units_decode_bit_identical_to_unit_by_unit(codec):
+    """merge_units: a token-local codec encodes the run of units leaving the window in one call, and the past it
+    serves is bit-identical to unit-by-unit encoding; codecs grouping over tokens (KIVI keys) never merge."""
+    gen = torch.Generator().manual_seed(18)
+    blocks = [(rand(gen, 3 * UNIT), rand(gen, 3 * UNIT)) for _ in range(4)]
+    q = rand(gen, 2)
+    stores = {m: store_for(codec, residual_window=1, merge_units=m) for m in (True, False)}
+    for store in stores.values():
+        for k, v in blocks:
+            for layer in range(L):
+                store.append(layer, k, v, num_units=3)
+    merged, single = stores[True], stores[False]
+    local = merged.k_codec(0).token_local and merged.v_codec(0).token_local
+    assert local == (codec != "kivi:bits=2,group=32")
+    for layer in range(L):
+        assert merged.encoded_units(layer) == single.encoded_units(layer) == list(range(11))
+        assert len(merged.segments(layer)) == (4 + 1 if local else 12)  # a run per append, then the native frame
+        assert len(single.segments(layer)) == 12
+        for a, b in zip(merged.past(layer), single.past(layer)):
+            assert torch.equal(a, b)
+        assert torch.equal(merged.attend(layer, q), single.attend(layer, q))
+    assert single.stats()["encode_calls_per_layer"] == [11] * L
+    assert merged.stats()["encode_calls_per_layer"] == [4 if local else 11] * L
+    # packed sizes may differ by a unit's byte padding, no more
+    assert abs(merged.nbytes() - single.nbytes()) <= L * 2 * 12 * BATCH * H
+
+
+def test_rolling_window_never_merges():
+    store = store_for("octopus:b=2", residual_window=1, attention_window=6)
+    gen = torch.Generator().manual_seed(19)
+    for _ in range(3):
+        store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
+    assert len(store.segments(0)) == 6  # evicted unit by unit, so encoded unit by unit
+    with pytest.raises(KVCacheError, match="merge_units must be True or False"):
+        CacheConfig(merge_units=1)
 
 
 def test_codec_whose_head_dim_the_layer_lacks():

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--residual-window", type=int, default=1)
     parser.add_argument("--reuse-decoded", action="store_true",
                         help="decode each unit once per rollout (faster; the decodes are held, memory not saved)")
+    parser.add_argument("--no-merge", action="store_true",
+                        help="encode unit by unit (CacheConfig.merge_units=False), to time what merging saves")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec and frame count; the median is reported (default 3)")
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     def one(codec: str | None, frames: int) -> dict:
         store = KVStore(CacheConfig(codec=codec, residual_window=args.residual_window,
                                     reuse_decoded=args.reuse_decoded, attention_window=args.window,
-                                    sink_units=args.sink), num_layers=layers,
+                                    sink_units=args.sink, merge_units=not args.no_merge), num_layers=layers,
                         num_heads=heads, head_dim=head_dim)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -135,6 +137,7 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
     return {
         "model": model, "codec": codec or "bf16 cache", "frames": frames, "latent": latent,
         "window": args.window, "sink": args.sink, "reuse_decoded": bool(args.reuse_decoded),
+        "merge_units": not args.no_merge,
         "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(res["seconds"] / base["seconds"], 3),
         "all_seconds": [round(x, 3) for x in res.get("all_seconds", [res["seconds"]])],
         "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),

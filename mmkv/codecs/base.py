@@ -244,6 +244,9 @@ class Codec:
     has_scores: ClassVar[bool] = False  # True when the paper defines its own score estimator (QJL family)
     # Codecs whose encoding of a unit depends on other units (QVG) set this; the store then encodes spans jointly.
     span_codec: ClassVar[bool] = False
+    # True when every token is encoded on its own, so encoding a run of units decodes bit for bit like encoding them
+    # one by one (the store then merges them: CacheConfig.merge_units). Codecs grouping over tokens leave it False.
+    token_local: bool = False
 
     def __init__(self, config: CodecConfig, *, head_dim: int, num_heads: int = 1, layer: int = 0, seed: int = 0):
         if config.name != self.name:

@@ -179,6 +179,7 @@ class GroupQuantCodec(Codec):
     """Per-token groups of `group` channels, asymmetric min-max, fp16 (scale, min): b + 32/g bits a value (A9)."""
 
     name = "groupquant"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"bits": 2, "group": 32, "meta": "fp16"}
     aliases = {"b": "bits", "g": "group"}
 

@@ -16,6 +16,7 @@ _DTYPES = {"native": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32"
 @register
 class IdentityCodec(Codec):
     name = "identity"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"dtype": "native"}
 
     @classmethod

@@ -36,6 +36,7 @@ class KiviCodec(Codec):
         self.group = check_group(self, self.config["group"])
         self.meta_dtype = check_meta(self, self.config["meta"])
         self.axis = check_role(self, self.config["role"])
+        self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
         self.role = self.config["role"]
 
     def _encode(self, x: torch.Tensor) -> Encoded:

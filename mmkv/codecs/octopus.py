@@ -146,6 +146,7 @@ class OctopusCodec(Codec):
     """
 
     name = "octopus"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"b": 3, "joint": 1, "norm": 32, "dir": "auto", "rho": "auto"}
     aliases = {"bits": "b"}
     requires_pow2 = True

@@ -90,6 +90,7 @@ def _parse_levels(levels, where: str) -> tuple[int, ...] | None:
 @register
 class PolarQuantCodec(Codec):
     name = "polarquant"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"b": 2, "levels": 0}
     aliases = {"bits": "b"}
     requires_pow2 = True

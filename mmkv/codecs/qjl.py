@@ -57,6 +57,7 @@ class QJLCodec(GaussianSketch, Codec):
     """QJL keys. Params: bits (1..8 sign bits per coordinate, i.e. sketch size m = bits * d), norm (32 or 16)."""
 
     name = "qjl"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"bits": 2, "norm": 32}
     aliases = {"b": "bits"}
     has_scores = True

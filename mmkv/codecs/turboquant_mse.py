@@ -148,6 +148,7 @@ class TurboQuantMSECodec(Codec):
     coordinates coded at b+1 bits, for the iso-rate baseline of codecs.md 6.4)."""
 
     name = "turboquant-mse"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"b": 4, "norm": 32, "hi": 0}
     aliases = {"bits": "b"}
     requires_pow2 = True

@@ -41,6 +41,7 @@ class TurboQuantProdCodec(GaussianSketch, Codec):
     both stored norms)."""
 
     name = "turboquant-prod"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
     defaults = {"b": 4, "norm": 32}
     aliases = {"bits": "b"}
     requires_pow2 = True
