@@ -222,6 +222,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             if not args.warm_only:
                 print(json.dumps(row), flush=True)
+                if args.json:  # after every row, so a run cut by a time limit keeps what it measured
+                    from mmkv.io import atomic_write_json
+
+                    atomic_write_json(args.json, {"copy": copy, "copies_ms": copies, "rows": rows, "complete": False})
     if args.warm_only:
         return 0
     print()
@@ -247,7 +251,7 @@ def main(argv=None) -> int:
     if args.json:
         from mmkv.io import atomic_write_json
 
-        atomic_write_json(args.json, {"copy": copy, "copies_ms": copies, "rows": rows})
+        atomic_write_json(args.json, {"copy": copy, "copies_ms": copies, "rows": rows, "complete": True})
     return 0
 
 

@@ -108,18 +108,29 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     t0 = time.time()
     bench = _Bench(args, dev)
+
+    def save(done: bool) -> None:
+        # after every case, so a run cut by a time limit keeps the cases it finished
+        if args.json:
+            from mmkv.io import atomic_write_json
+
+            meta["seconds"] = round(time.time() - t0, 1)
+            atomic_write_json(args.json, {"meta": {**meta, "complete": done}, "rows": rows})
+
     if "decode" in cases:
-        rows += bench.decode(presets, [int(x) for x in args.decode_lk.split(",")])
+        lks = [int(x) for x in args.decode_lk.split(",")]
+        for lk in lks:
+            rows += bench.decode(presets, [lk], sweep_lk=max(lks))
+            save(False)
     if "video" in cases:
-        rows += bench.video(presets, [int(x) for x in args.video_lk.split(",")])
+        for lk in [int(x) for x in args.video_lk.split(",")]:
+            rows += bench.video(presets, [lk])
+            save(False)
     if "encode" in cases:
         rows += bench.encode(presets)
-    meta["seconds"] = round(time.time() - t0, 1)
+    save(True)
     print(render(rows))
     if args.json:
-        from mmkv.io import atomic_write_json
-
-        atomic_write_json(args.json, {"meta": meta, "rows": rows})
         print(f"wrote {args.json}")
     return 0
 
@@ -212,7 +223,7 @@ class _Bench:
         return self._row(case, "bf16 sdpa", "torch sdpa", shape, base_ms, base_ms, 2 * k.numel() * k.element_size(),
                          rel_error(F.scaled_dot_product_attention(q, k, v, scale=scale), ref), None, None, "sdpa")
 
-    def decode(self, presets: list[str], lks: list[int]) -> list[dict]:
+    def decode(self, presets: list[str], lks: list[int], sweep_lk: int | None = None) -> list[dict]:
         b, h, d = self.args.batch, self.args.heads, 128
         scale = 1.0 / math.sqrt(d)
         rows = []
@@ -226,12 +237,12 @@ class _Bench:
             print(f"decode Lk={lk}: bf16 SDPA {base_ms:.3f} ms ({rows[-1]['gbps']:.0f} GB/s)", flush=True)
             for preset in presets:
                 rows += _guard(f"decode {preset} Lk={lk}", self._decode_one, preset, q, k, v, scale, shape, base_ms,
-                               lks)
+                               sweep_lk or max(lks))
             del q, k, v
             torch.cuda.empty_cache()
         return rows
 
-    def _decode_one(self, preset, q, k, v, scale, shape, base_ms, lks) -> list[dict]:
+    def _decode_one(self, preset, q, k, v, scale, shape, base_ms, sweep_lk) -> list[dict]:
         from mmkv.attention import Segment, attention_lse, merge_lse
         from mmkv.kernels import attention_kernel
 
@@ -267,7 +278,7 @@ class _Bench:
                               path))
         print(f"  {preset:24s} {ms:.3f} ms  ratio {ms / base_ms:.3f}  {packed / ms / 1e6:.0f} GB/s  "
               f"err {err:.1e} / vs sdpa {err_sdpa:.1e}  [{config}]", flush=True)
-        if self.args.sweep and lk == max(lks):
+        if self.args.sweep and lk == sweep_lk:
             rows += self._sweep(preset, kernel, q, seg, scale, shape, base_ms, packed, ref)
         del seg, ke, ve, kch, vch, out, ref, sdpa_out
         torch.cuda.empty_cache()
