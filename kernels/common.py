@@ -34,6 +34,34 @@ def rows_of(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-2])
 
 
+def decode_out(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, out: torch.Tensor | None
+               ) -> tuple[torch.Tensor, int]:
+    """The tensor a decode kernel writes and its row stride in elements: a new contiguous [..., T, D] tensor, or the
+    caller's `out` (e.g. a token slice of a contiguous [B, H, T_total, D] gather buffer, so the decode lands where
+    attention reads it, with no copy). `out` must have the shape and dtype, unit channel stride, token stride D, and
+    rows (the flattened leading indices) evenly strided; otherwise ValueError (the caller copies instead)."""
+    *lead, t, d = shape
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device), t * d
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != torch.device(device):
+        raise ValueError(f"decode out must be {tuple(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} "
+                         f"on {out.device}")
+    if out.numel() == 0:
+        return out, t * d
+    if (d > 1 and out.stride(-1) != 1) or (t > 1 and out.stride(-2) != d):
+        raise ValueError(f"decode out needs token stride {d} and channel stride 1, got strides {out.stride()}")
+    dims = [(out.shape[i], out.stride(i)) for i in range(len(lead)) if out.shape[i] > 1]
+    if not dims:
+        return out, t * d
+    rs = dims[-1][1]
+    for (_, outer), (size, inner) in zip(dims, dims[1:]):  # each leading dim steps over whole rows of the next
+        if outer != inner * size:
+            raise ValueError(f"decode out rows are not evenly strided: strides {out.stride()}, shape {tuple(shape)}")
+    if rs < t * d:
+        raise ValueError(f"decode out rows overlap: row stride {rs} < {t} x {d}")
+    return out, rs
+
+
 def head_count(codec) -> int:
     """Heads whose per-head state (rotation signs) alternates over rows: dim -3 is the KV-head axis when > 1."""
     return codec.num_heads if codec.num_heads > 1 else 1

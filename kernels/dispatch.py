@@ -4,7 +4,10 @@ Protocol (what `Codec.encode/decode` call when the input is on CUDA):
   encode: fn(codec, x) -> Encoded        x[..., T, D] already validated by `check_input`, any float dtype, on the
                                          kernel's device; returns the complete bundle (codec string, shape, dtype,
                                          tensors, meta) that the reference `codec.encode(x)` returns.
-  decode: fn(codec, enc, dtype) -> Tensor enc already checked against the codec; returns [..., T, D] in `dtype`.
+  decode: fn(codec, enc, dtype, *, out=None) -> Tensor
+                                         enc already checked against the codec; returns [..., T, D] in `dtype`,
+                                         written into `out` when given (rows evenly strided, unit channel
+                                         stride: `mmkv.kernels.common.decode_out`; ValueError otherwise).
 None means "use the torch reference": off CUDA, when triton is not installed, when the environment sets
 MMKV_KERNELS=0, or when no kernel covers this codec or these parameters (each kernel module's `supports(codec)`).
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors through Triton's interpreter, which is what CI tests.

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, rows_of, store_rows, token_block, vector
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, rows_of, store_rows, token_block, vector
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht, fwht_lanes
@@ -20,7 +20,7 @@ from mmkv.kernels.rotation import fwht, fwht_lanes
 @triton.jit
 def _minmax_decode_kernel(
     codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr,
-    T, NH, rscale, row_bytes, NGT, vr,
+    T, NH, rscale, row_bytes, NGT, vr, ORS,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
 ):
@@ -46,9 +46,9 @@ def _minmax_decode_kernel(
     if ROTATE:
         y = fwht(y, BT, DP) * rscale if ROWS else fwht_lanes(y, BT, DP) * rscale
     if ROWS:
-        store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+        store_rows(out_ptr, row64 * ORS, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
     else:
-        off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+        off = row64 * ORS + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
         tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -63,12 +63,14 @@ def minmax_decode(
     rotate: bool = False,
     norm: torch.Tensor | None = None,
     norm_heads: int = 1,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode_minmax` on the kernel, cast to `dtype`; `norm` multiplies each token and `rotate` applies H last."""
+    """`decode_minmax` on the kernel, cast to `dtype`; `norm` multiplies each token and `rotate` applies H last.
+    `out`: write there (see `decode_out`)."""
     *lead, T, D = shape
     codes = tensors["codes"].contiguous()
     dev = codes.device
-    out = torch.empty(shape, dtype=dtype, device=dev)
+    out, ors = decode_out(shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
@@ -80,13 +82,13 @@ def minmax_decode(
     _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](
         codes, tensors["scale"].contiguous(), tensors["offset"].contiguous(),
         norm if norm is not None else tensors["scale"], out,
-        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group), v,
+        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group), v, ors,
         D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
         ROWS=by_rows, V=v, num_warps=max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8), **LAUNCH,
     )
     return out
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for groupquant on the kernel."""
-    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis="token")
+    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis="token", out=out)

@@ -10,6 +10,6 @@ from mmkv.kernels.groupquant_decode import minmax_decode
 from mmkv.kernels.kivi_encode import supports  # noqa: F401  (same parameter range)
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for KIVI on the kernel."""
-    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis=codec.axis)
+    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis=codec.axis, out=out)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cast_to, head_count, next_pow2, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, next_pow2, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.octopus_encode import _tables, from_triplets, supports  # noqa: F401  (same range as the encoder)
 from mmkv.kernels.packing import unpack_at, unpack_rows
@@ -26,7 +26,7 @@ from mmkv.kernels.rotation import fwht
 @triton.jit
 def _octopus_decode_kernel(
     dir_ptr, rho_ptr, gamma_ptr, qjl_ptr, rnorm_ptr, lut_ptr, rho_c_ptr, s_ptr, sk_ptr, out_ptr,
-    T, NH, scale, qjl_scale, dir_row_bytes, rho_row_bytes, vr,
+    T, NH, scale, qjl_scale, dir_row_bytes, rho_row_bytes, vr, ORS,
     D: tl.constexpr, NT: tl.constexpr, NTP: tl.constexpr, BT: tl.constexpr, V: tl.constexpr,
     DIR_BITS: tl.constexpr, RHO_BITS: tl.constexpr, QJL: tl.constexpr,
 ):
@@ -56,17 +56,19 @@ def _octopus_decode_kernel(
     gamma = tl.load(gamma_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)
     y = fwht(gamma[:, None] * u, BT, D) * scale * s[None, :]  # k_hat = s * H(gamma u_hat)
-    store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+    store_rows(out_ptr, row64 * ORS, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
 
 
-def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None) -> torch.Tensor:
+def decode(
+    codec, enc, dtype: torch.dtype, *, warps: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for OCTOPUS / OCTOPUS-QJL on the kernel: [..., T, D] in `dtype`."""
     qjl = hasattr(codec, "sketch")
     *lead, T, D = enc.shape
     t = enc.tensors
     dev = t["dir"].device
     tab = _tables(codec, dev)
-    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    out, ors = decode_out(enc.shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
@@ -80,6 +82,7 @@ def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None) -> torch
     _octopus_decode_kernel[(triton.cdiv(T, bt), rows)](
         dir_p, rho_p, t["gamma"].contiguous(), qjl_p, rnorm, tab["lut"], tab["rho_c"], tab["signs"], tab["sketch"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), getattr(codec, "qjl_scale", 0.0), dir_p.shape[-1], rho_p.shape[-1], v,
+        ors,
         D=D, NT=codec.n_t, NTP=next_pow2(codec.n_t), BT=bt, V=v, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits,
         QJL=qjl, num_warps=warps, **LAUNCH,
     )

@@ -11,6 +11,6 @@ from mmkv.kernels import octopus_decode
 from mmkv.kernels.octopus_encode import supports  # noqa: F401  (same parameter range)
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for OCTOPUS-QJL on the kernel."""
-    return octopus_decode.decode(codec, enc, dtype)
+    return octopus_decode.decode(codec, enc, dtype, out=out)

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mmkv.kernels.common import INTERPRET, LAUNCH, ROWS_WARPS, cast_to, rows_of, store_rows, token_block, vector
+from mmkv.kernels.common import (
+    INTERPRET, LAUNCH, ROWS_WARPS, cast_to, decode_out, rows_of, store_rows, token_block, vector,
+)
 from mmkv.kernels.packing import unpack_plane
 from mmkv.kernels.polarquant_encode import _LUT, _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.rotation import fwht
@@ -37,7 +39,7 @@ def _unfold(r, c_ptr, in_ptr, row_base, t0, n_tok, vr, BT: tl.constexpr, N: tl.c
 @triton.jit
 def _polarquant_decode_kernel(
     a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr, c_ptr, s_ptr, out_ptr,
-    T, scale, rb1, rb2, rb3, rb4, vr,
+    T, scale, rb1, rb2, rb3, rb4, vr, ORS,
     D: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr,
     LUT: tl.constexpr, INTERP: tl.constexpr, V: tl.constexpr,
 ):
@@ -55,16 +57,16 @@ def _polarquant_decode_kernel(
     r = _unfold(r, c_ptr, a1_ptr, row64 * rb1, t0, n_tok, vr, BT, D // 2, B1, INTERP, V)
     s = tl.load(s_ptr + jj).to(tl.float32)
     y = fwht(r, BT, D) * scale * s[None, :]
-    store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+    store_rows(out_ptr, row64 * ORS, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for PolarQuant on the kernel: [..., T, D] in `dtype`."""
     *lead, T, D = enc.shape
     t = enc.tensors
     dev = t["radius"].device
     tab = _tables(codec, dev)
-    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    out, ors = decode_out(enc.shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
@@ -74,7 +76,7 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
     b1, b2, b3, b4 = codec.level_bits
     _polarquant_decode_kernel[(triton.cdiv(T, bt), rows)](
         *planes, t["radius"].contiguous(), tab["cent"], tab["signs"], out,
-        T, 1.0 / math.sqrt(D), *[p.shape[-1] for p in planes], v,
+        T, 1.0 / math.sqrt(D), *[p.shape[-1] for p in planes], v, ors,
         D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET, V=v, num_warps=ROWS_WARPS, **LAUNCH,
     )
     return out

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qjl_encode import _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
@@ -17,7 +17,7 @@ from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
 
 @triton.jit
 def _qjl_decode_kernel(
-    signs_ptr, norm_ptr, sk_ptr, out_ptr, T, NH, qscale, row_bytes,
+    signs_ptr, norm_ptr, sk_ptr, out_ptr, T, NH, qscale, row_bytes, ORS,
     D: tl.constexpr, M: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
 ):
     row, row64, t0, n_tok = token_block(T, BT)
@@ -33,22 +33,23 @@ def _qjl_decode_kernel(
         acc += tl.dot(z, sk, input_precision=PREC)
     nu = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
     y = (qscale * nu)[:, None] * acc
-    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+    off = row64 * ORS + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
     tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for QJL on the kernel: [..., T, D] in `dtype`."""
     *lead, T, D = enc.shape
     signs = enc.tensors["signs"].contiguous()
     dev = signs.device
-    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    out, ors = decode_out(enc.shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
     bt = 16
     _qjl_decode_kernel[(triton.cdiv(T, bt), rows)](
         signs, enc.tensors["norm"].contiguous(), _tables(codec, dev)["sketch"], out, T, head_count(codec), codec.scale,
-        signs.shape[-1], D=D, M=codec.m, MB=min(128, codec.m & -codec.m), BT=bt, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
+        signs.shape[-1], ors, D=D, M=codec.m, MB=min(128, codec.m & -codec.m), BT=bt, PREC=SKETCH_PRECISION,
+        num_warps=4, **LAUNCH,
     )
     return out

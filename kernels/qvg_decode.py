@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qvg_encode import block_tokens, supports  # noqa: F401  (same parameter range)
 
@@ -28,7 +28,7 @@ def e4m3_value(b):
 @triton.jit
 def _decode_kernel(
     codes_ptr, scale_ptr, zero_ptr, ids_ptr, c_ptr, out_ptr,
-    N, K, P, row_bytes,
+    N, K, P, row_bytes, ORS,
     D: tl.constexpr, BT: tl.constexpr, BLK: tl.constexpr, BITS: tl.constexpr, ASYM: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -53,17 +53,19 @@ def _decode_kernel(
         ids = tl.load(ids_ptr + (st * P + p) * N + tok, mask=tmask, other=0).to(tl.int64)
         c = tl.load(c_ptr + (st * P + p) * K * D + ids[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
         acc = acc + c.to(tl.float32)
-    tl.store(out_ptr + p * N * D + tok[:, None] * D + jj[None, :], cast_to(acc, out_ptr.dtype.element_ty),
+    tl.store(out_ptr + p * ORS + tok[:, None] * D + jj[None, :], cast_to(acc, out_ptr.dtype.element_ty),
              mask=tmask[:, None])
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for qvg on the kernel."""
     *lead, n, d = enc.shape
     t = enc.tensors
     dev = t["codes"].device
     kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    out = torch.empty(*lead, n, d, dtype=kernel_dtype, device=dev)
+    if out is not None and kernel_dtype != dtype:
+        return out.copy_(decode(codec, enc, dtype))
+    out, ors = decode_out(tuple(enc.shape), kernel_dtype, dev, out)
     p = out.numel() // max(n * d, 1)
     if out.numel():
         stages = codec.stages
@@ -74,7 +76,7 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
         bt = block_tokens(d)
         _decode_kernel[(triton.cdiv(n, bt), p)](
             t["codes"].contiguous(), scales, zeros, ids, cents, out,
-            n, codec.centroids, p, t["codes"].shape[-1],
+            n, codec.centroids, p, t["codes"].shape[-1], ors,
             D=d, BT=bt, BLK=codec.block, BITS=codec.bits, ASYM=codec.asymmetric, STAGES=stages,
             num_warps=4, **LAUNCH,
         )

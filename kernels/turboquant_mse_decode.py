@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, head_count, rows_of, store_rows, token_block, vector
+from mmkv.kernels.common import (
+    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, rows_of, store_rows, token_block, vector,
+)
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  (same parameter range)
@@ -20,7 +22,7 @@ from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  
 @triton.jit
 def _turboquant_decode_kernel(
     idx_ptr, idx_hi_ptr, norm_ptr, lo_c_ptr, hi_c_ptr, s_ptr, out_ptr,
-    T, NH, scale, lo_row_bytes, hi_row_bytes, vr,
+    T, NH, scale, lo_row_bytes, hi_row_bytes, vr, ORS,
     D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, B: tl.constexpr, HI: tl.constexpr,
 ):
     row, row64, t0, n_tok = token_block(T, BT)
@@ -38,17 +40,19 @@ def _turboquant_decode_kernel(
     norm = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tt < n_tok, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)
     y = fwht(norm[:, None] * val, BT, D) * scale * s[None, :]
-    store_rows(out_ptr, row64 * T * D, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+    store_rows(out_ptr, row64 * ORS, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
 
 
-def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None) -> torch.Tensor:
+def decode(
+    codec, enc, dtype: torch.dtype, *, warps: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for TurboQuant-MSE on the kernel: [..., T, D] in `dtype`."""
     *lead, T, D = enc.shape
     t = enc.tensors
     norm = t["norm"].contiguous()
     dev = norm.device
     tab = _tables(codec, dev)
-    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    out, ors = decode_out(enc.shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
@@ -62,7 +66,7 @@ def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None) -> torch
         idx if idx is not None else idx_hi, idx_hi if idx_hi is not None else idx, norm,
         tab["lo_c"], tab["hi_c"], tab["signs"], out,
         T, head_count(codec), 1.0 / math.sqrt(D),
-        idx.shape[-1] if idx is not None else 0, idx_hi.shape[-1] if idx_hi is not None else 0, v,
+        idx.shape[-1] if idx is not None else 0, idx_hi.shape[-1] if idx_hi is not None else 0, v, ors,
         D=D, BT=bt, V=v, B=codec.b, HI=hi, num_warps=warps, **LAUNCH,
     )
     return out

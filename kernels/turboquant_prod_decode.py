@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, head_count, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION, _tables, supports  # noqa: F401
@@ -21,7 +21,7 @@ from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION, _tables, suppo
 @triton.jit
 def _turboquant_prod_decode_kernel(
     idx_ptr, qjl_ptr, rnorm_ptr, norm_ptr, c_ptr, s_ptr, sk_ptr, out_ptr,
-    T, NH, scale, qjl_scale, idx_row_bytes, qjl_row_bytes,
+    T, NH, scale, qjl_scale, idx_row_bytes, qjl_row_bytes, ORS,
     D: tl.constexpr, BT: tl.constexpr, B: tl.constexpr, PREC: tl.constexpr,
 ):
     row, row64, t0, n_tok = token_block(T, BT)
@@ -38,17 +38,17 @@ def _turboquant_prod_decode_kernel(
     rn = tl.load(rnorm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
     nm = tl.load(norm_ptr + row64 * T + t0 + tt, mask=tmask, other=0.0).to(tl.float32)
     y = nm[:, None] * (mse + (qjl_scale * rn)[:, None] * qjl)
-    off = row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+    off = row64 * ORS + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
     tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=tmask[:, None])
 
 
-def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
+def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for TurboQuant-prod on the kernel: [..., T, D] in `dtype`."""
     *lead, T, D = enc.shape
     t = enc.tensors
     dev = t["idx"].device
     tab = _tables(codec, dev)
-    out = torch.empty(enc.shape, dtype=dtype, device=dev)
+    out, ors = decode_out(enc.shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
@@ -56,7 +56,7 @@ def decode(codec, enc, dtype: torch.dtype) -> torch.Tensor:
     bt = 32 if D <= 64 else 16
     _turboquant_prod_decode_kernel[(triton.cdiv(T, bt), rows)](
         idx, qjl, t["rnorm"].contiguous(), t["norm"].contiguous(), tab["c"], tab["signs"], tab["sketch"], out,
-        T, head_count(codec), 1.0 / math.sqrt(D), codec.qjl_scale, idx.shape[-1], qjl.shape[-1],
+        T, head_count(codec), 1.0 / math.sqrt(D), codec.qjl_scale, idx.shape[-1], qjl.shape[-1], ors,
         D=D, BT=bt, B=codec.b, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
     )
     return out

@@ -98,8 +98,9 @@ def gather(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[past | current] K and V as two contiguous [B, H, T, D] tensors of `dtype`.
 
-    Each segment is decoded and copied into a preallocated buffer, so the scratch is the buffer plus one segment's
-    decode rather than all decodes plus their concatenation. Copying is bit-exact, so this equals `torch.cat`.
+    Each encoded segment is decoded straight into its slice of a preallocated buffer (`Codec.decode(out=...)`: the
+    Triton decoders write there, with no copy); native segments and the current block are copied in. The scratch is
+    the buffer (plus, on the torch reference path, one segment's decode). Bit-exact, so this equals `torch.cat`.
     """
     parts = list(segments) + ([Segment(k=k_cur, v=v_cur)] if k_cur is not None else [])
     if not parts:
@@ -112,10 +113,15 @@ def gather(
     v_out = torch.empty_like(k_out)
     start = 0
     for part in parts:
-        k, v = part.decode(dtype)
-        n = k.shape[-2]
-        k_out[..., start : start + n, :].copy_(k)
-        v_out[..., start : start + n, :].copy_(v)
+        n = part.num_tokens
+        k_dst, v_dst = k_out[..., start : start + n, :], v_out[..., start : start + n, :]
+        if part.encoded and not part.skip_tokens:
+            part.k_codec.decode(part.k_enc, dtype=dtype, out=k_dst)
+            part.v_codec.decode(part.v_enc, dtype=dtype, out=v_dst)
+        else:  # native, or a span with evicted leading units: decode whole, copy the visible tokens
+            k, v = part.decode(dtype)
+            k_dst.copy_(k)
+            v_dst.copy_(v)
         start += n
     return k_out, v_out
 

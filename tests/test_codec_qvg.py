@@ -366,6 +366,9 @@ def test_kernels_encode_and_decode_bit_identical_to_reference(dtype, preset):
     ref.shape, ref.dtype, ref.codec = tuple(x.shape), dtype, str(codec.config)
     for out in (dtype, torch.float32):
         assert torch.equal(k["qvg_decode"].decode(codec, ref, out), codec._decode(ref).to(out))
+    buf = torch.zeros(2, 3, 50, 32, dtype=dtype)  # into a token slice of a gather buffer, as attention passes it
+    k["qvg_decode"].decode(codec, ref, dtype, out=buf[..., 5:, :])
+    assert torch.equal(buf[..., 5:, :], codec._decode(ref).to(dtype)) and not buf[..., :5, :].any()
 
 
 def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():

@@ -177,6 +177,22 @@ def test_round_trip_keeps_shape_dtype_device(preset, dtype, device):
 
 
 @pytest.mark.parametrize("preset", PRESET_IDS)
+def test_decode_into_out(preset):
+    """`decode(out=...)` writes the same values into the given tensor (here a token slice of a bigger buffer, as the
+    attention gather passes it) and returns it; a wrong shape or dtype is refused before anything is written."""
+    codec = build(preset, head_dim=32, num_heads=3, seed=1)
+    x = _x((2, 3, 7, 32), 2, torch.bfloat16)
+    enc = codec.encode(x)
+    buf = torch.zeros(2, 3, 12, 32, dtype=torch.bfloat16)
+    got = codec.decode(enc, out=buf[..., 2:9, :])
+    assert got.data_ptr() == buf[..., 2:, :].data_ptr() and torch.equal(got, codec.decode(enc))
+    assert not buf[..., :2, :].any() and not buf[..., 9:, :].any()
+    for bad in (torch.zeros(2, 3, 7, 32), torch.zeros(2, 3, 8, 32, dtype=torch.bfloat16)):
+        with pytest.raises(CodecError, match="decode out must be"):
+            codec.decode(enc, out=bad)
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
 def test_single_head_rank2_input(preset):
     codec = build(preset, head_dim=64, seed=4)
     x = _x((33, 64), 3)

@@ -229,6 +229,23 @@ def test_decode_matches_reference(preset, d, heads, t, dtype, out):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[c[0] + f"-d{c[1]}" for c in CASES])
+def test_decode_into_a_slice_of_a_gather_buffer(preset, d, heads, t, dtype):
+    """`out=`: the kernel writes its rows into a token slice of a larger [.., T_total, D] buffer (rows strided by
+    T_total * D, as `mmkv.attention.gather` passes them), bit-identical to its own decode, nothing else touched."""
+    codec, x = _setup(preset, d, heads, t, dtype)
+    enc = reference_encode(codec, x)
+    fn = kernel(codec, "decode")
+    want = fn(codec, enc, torch.bfloat16)
+    buf = torch.full((*x.shape[:-2], t + 7, d), 7.0, dtype=torch.bfloat16)
+    got = fn(codec, enc, torch.bfloat16, out=buf[..., 3 : 3 + t, :])
+    assert got.data_ptr() == buf[..., 3:, :].data_ptr()
+    assert torch.equal(buf[..., 3 : 3 + t, :], want)
+    assert (buf[..., :3, :] == 7).all() and (buf[..., 3 + t :, :] == 7).all()
+    with pytest.raises(ValueError, match="decode out"):  # a layout it cannot write: refused, nothing written
+        fn(codec, enc, torch.bfloat16, out=torch.empty(*x.shape[:-2], d, t, dtype=torch.bfloat16).transpose(-1, -2))
+
+
 @pytest.mark.parametrize("preset", ["octopus:b=2", "groupquant:bits=4,group=32", "kivi:bits=2,group=8"])
 def test_empty_token_axis(preset):
     codec, _ = _setup(preset, 32, 2, 1, torch.float32)

@@ -220,6 +220,16 @@ def build(
     return get_codec_class(cfg.name)(cfg, head_dim=head_dim, num_heads=num_heads, layer=layer, seed=seed)
 
 
+def check_out(codec: "Codec", enc: Encoded, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """`out` of `Codec.decode`: a tensor of the encoded shape in the decode dtype, on the encoding's device."""
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(enc.shape) or out.dtype != dtype \
+            or out.device != enc.device:
+        got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise CodecError(f"codec {codec.config}: decode out must be {tuple(enc.shape)} {dtype} on {enc.device}, "
+                         f"got {got}")
+
+
 def _kernel(codec: "Codec", op: str, device: torch.device):
     """The Triton kernel for `op` ("encode"/"decode") of this codec on CUDA, else None (torch reference).
 
@@ -289,14 +299,28 @@ class Codec:
         enc.codec = str(self.config)
         return enc
 
-    def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(self, enc: Encoded, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The decode of `enc` in `dtype` (default: the encoded input's dtype). `out`: a [..., T, D] tensor of that
+        shape and dtype to write into and return, e.g. a token slice of an attention gather buffer; a kernel writes
+        it directly when its rows are evenly strided with unit channel stride, otherwise the decode is copied in."""
         if enc.codec != str(self.config):
             raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
+        dtype = dtype or enc.dtype
+        if out is not None:
+            check_out(self, enc, dtype, out)
         kernel = _kernel(self, "decode", enc.device)
         if kernel is not None:
-            return kernel(self, enc, dtype or enc.dtype)
-        out = self._decode(enc)
-        return out.to(dtype or enc.dtype)
+            if out is None:
+                return kernel(self, enc, dtype)
+            try:
+                return kernel(self, enc, dtype, out=out)
+            except ValueError as err:  # a layout the kernel cannot write (decode_out): decode, then copy
+                if isinstance(err, CodecError):
+                    raise
+                return out.copy_(kernel(self, enc, dtype))
+        res = self._decode(enc).to(dtype)
+        return res if out is None else out.copy_(res)
 
     def nbytes(self, enc: Encoded) -> int:
         return enc.nbytes

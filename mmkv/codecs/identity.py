@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecError, Encoded, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, check_out, register
 
 _DTYPES = {"native": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,7 +38,11 @@ class IdentityCodec(Codec):
     def _decode(self, enc: Encoded) -> torch.Tensor:
         return enc.tensors["x"].float()  # the protocol's reference decode is fp32 (scores() relies on it)
 
-    def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(self, enc: Encoded, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         if enc.codec != str(self.config):
             raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
-        return enc.tensors["x"].to(dtype or enc.dtype)
+        if out is None:
+            return enc.tensors["x"].to(dtype or enc.dtype)
+        check_out(self, enc, dtype or enc.dtype, out)
+        return out.copy_(enc.tensors["x"])
