@@ -199,6 +199,14 @@ def test_bench_rows_on_cpu_and_refusal_without_cuda(monkeypatch):
     assert rows[1]["path"] == "fused" and "splits=" in rows[1]["config"]
     assert "kivi:bits=4,group=32" in bench.render(rows)
 
+    # the video case: the past as the store holds it (token-local codecs: one segment per 3-frame block)
+    args = parser.parse_args(["--video-heads", "2", "--video-lq", "8", "--frame-tokens", "16"])
+    b = bench._Bench(args, torch.device("cpu"), host_timer)
+    rows = b.video(["turboquant-mse:b=2", "kivi:bits=2,group=32"], [96])
+    assert [r["codec"] for r in rows] == ["bf16 sdpa", "turboquant-mse:b=2", "kivi:bits=2,group=32"]
+    assert "2 segments" in rows[1]["config"] and "6 segments" in rows[2]["config"]
+    assert all(r["rel_error"] < 1e-2 for r in rows)
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UsageError, match="CUDA"):
         bench.run(args)

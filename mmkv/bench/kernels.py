@@ -4,7 +4,8 @@ Cases (one process, one card, the baseline timed in the same run as the kernel i
 - decode: one query row (Lq = 1), B = 8, H = 32, D = 128, Lk in {8K, 32K, 128K}: the fused split-K kernel
   (`mmkv.kernels.attention_kernel`) over the encoded cache against `scaled_dot_product_attention` on the bf16 cache.
 - video: a video chunk, B = 1, H = 12, D = 128, Lq = 4680, Lk in {9360, 32760}: the path `mmkv.attention` takes for
-  long query blocks (decode the past to bf16, then SDPA; ecosystem.md D4) against SDPA on the bf16 cache.
+  long query blocks (decode the past to bf16, then SDPA; ecosystem.md D4) against SDPA on the bf16 cache. The past is
+  built by a `KVStore` from 3-frame commits, so its segments are the store's (one per block for token-local codecs).
 - encode: `Codec.encode` of a bf16 [1, 32, T, 128] tensor, in GB/s of bf16 input.
 
 Timing: `triton.testing.do_bench` (CUDA events, L2 flushed before each call), median. `ratio` = ms / baseline_ms
@@ -73,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=32, help="decode heads")
     parser.add_argument("--video-lq", type=int, default=4680, help="video chunk queries (3 latent frames of 1560)")
     parser.add_argument("--video-heads", type=int, default=12, help="video heads (Wan2.1-1.3B)")
-    parser.add_argument("--frame-tokens", type=int, default=1560, help="tokens per latent frame (one segment each)")
+    parser.add_argument("--frame-tokens", type=int, default=1560, help="tokens per latent frame (a store unit)")
+    parser.add_argument("--block-frames", type=int, default=3, help="frames per commit when building the video cache")
     parser.add_argument("--encode-tokens", type=int, default=32768, help="tokens per head of the encode input")
     parser.add_argument("--chunk", type=int, default=8192, help="tokens encoded per call when building caches")
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants at the largest decode Lk")
@@ -336,30 +338,38 @@ class _Bench:
         return rows
 
     def _video_one(self, preset, q, k, v, scale, shape, base_ms, frame) -> list[dict]:
-        from mmkv.attention import Segment, attend, attention_lse, merge_lse
+        from mmkv.attention import attend, attention_lse, merge_lse
+        from mmkv.cache import CacheConfig, KVStore
 
         rows = []
         lk, (_, h, _, d) = k.shape[-2], q.shape
-        kcod, vcod = self.codecs(preset, h, d)
-        # One segment per latent frame (1560 tokens), as the store holds a video cache.
-        kch, vch = [], []
-        for s in range(0, lk, frame):
-            kch.append(self.encode_one(kcod, k[..., s : s + frame, :].contiguous()))
-            vch.append(self.encode_one(vcod, v[..., s : s + frame, :].contiguous()))
-        segs = [Segment(k_enc=a, v_enc=c, k_codec=kcod, v_codec=vcod) for a, c in zip(kch, vch)]
+        block = frame * self.args.block_frames
+        if lk % frame:
+            raise UsageError(f"video Lk={lk} is not a whole number of {frame}-token frames")
+        # The past as the store holds it after CausVid commits of `block_frames` frames with a residual window of 0:
+        # one segment per block for token-local codecs (merge_units), one per frame for the others.
+        store = KVStore(CacheConfig(codec=preset, residual_window=0, seed=self.args.seed), num_layers=1, num_heads=h,
+                        head_dim=d)
+        for s in range(0, lk, block):
+            n = min(block, lk - s)
+            store.append(0, k[..., s : s + n, :], v[..., s : s + n, :], num_units=n // frame)
+        segs = store.segments(0)
+        kcod, vcod = store.k_codec(0), store.v_codec(0)
         out = attend(q, segs, backend="decode", scale=scale)
-        parts = [attention_lse(q.float(), kcod._decode(a), vcod._decode(c), scale) for a, c in zip(kch, vch)]
+        parts = [attention_lse(q.float(), kcod._decode(g.k_enc), vcod._decode(g.v_enc), scale) for g in segs]
         ref, _ = merge_lse(parts)
         del parts
         err = rel_error(out.float(), ref)
         ms = self.time_ms(lambda: attend(q, segs, backend="decode", scale=scale))
-        packed = sum(a.nbytes + c.nbytes for a, c in zip(kch, vch))
+        packed = store.nbytes()
         path = _dispatch_path("decode", self.device, kcod, vcod)
         rows.append(self._row("video", preset, f"decode to bf16 ({path}) + sdpa, {len(segs)} segments",
                               shape, ms, base_ms, packed, err, None, VIDEO_TARGET, path))
-        print(f"  {preset:24s} {ms:.3f} ms  ratio {ms / base_ms:.3f}  err {err:.1e}  [{path}]", flush=True)
-        del segs, kch, vch, out, ref
-        torch.cuda.empty_cache()
+        print(f"  {preset:24s} {ms:.3f} ms  ratio {ms / base_ms:.3f}  err {err:.1e}  {len(segs)} segments  [{path}]",
+              flush=True)
+        del segs, store, out, ref
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         return rows
 
     # -- encode ----------------------------------------------------------------------------------------------
