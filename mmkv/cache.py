@@ -31,7 +31,9 @@ from typing import Any, Iterator
 import torch
 
 from mmkv import attention
-from mmkv.codecs.base import FLOAT_DTYPES, Codec, CodecConfig, CodecError, Encoded, build, kv_configs
+from mmkv.codecs.base import (
+    FLOAT_DTYPES, Codec, CodecConfig, CodecError, Encoded, _kernel, build, concat_tokens, kv_configs,
+)
 
 
 class KVCacheError(ValueError):
@@ -109,9 +111,10 @@ class CacheConfig:
                       on its own: OCTOPUS, TurboQuant, QJL, PolarQuant, identity, per-token group quantisers), encode
                       the consecutive units that leave the window in one append as one segment (default). Decodes are
                       bit-identical to unit-by-unit encoding; a segment of 3 frames instead of 3 segments means 3x
-                      fewer encode calls, decode launches and gather copies per attention call. Codecs that group
-                      over tokens (KIVI / OScaR keys) and rolling windows (which evict unit by unit) always encode
-                      unit by unit.
+                      fewer encode calls. When attention reads the layer, its encoded segments are also joined into
+                      one (the same bytes, concatenated; skipped where a packed row would not end on a byte), so the
+                      whole encoded past is decoded in one call per K and V. Codecs that group over tokens (KIVI /
+                      OScaR keys) and rolling windows (which evict unit by unit) always encode unit by unit.
     """
 
     codec: str | CodecConfig | None = None
@@ -525,6 +528,7 @@ class KVStore:
         layer = self._check_layer(layer)
         kc, vc = self._k_codecs[layer], self._v_codecs[layer]
         st = self._layers[layer]
+        self._consolidate(layer, st)
         reuse = self.config.reuse_decoded and kc is not None and not kc.has_scores
         out = []
         for s in st.segs:
@@ -542,6 +546,31 @@ class KVStore:
                 out.append(attention.Segment(k=s.k, v=s.v))
         return out
 
+    def _consolidate(self, layer: int, st: _Layer) -> None:
+        """Under `merge_units`, join the layer's encoded segments into one (`concat_tokens`: the same bytes, so the
+        same decode), so that attention decodes the whole encoded past in one call per K and V. Done when attention
+        first reads a layer after new segments arrived (once per layer and block); skipped when a segment's packed
+        rows do not end on a byte, and under `reuse_decoded` (its decodes are kept per segment). While the tensors
+        are copied the old ones still exist: that transient is counted in `scratch_peak_nbytes`."""
+        if not self.merge or self.config.reuse_decoded:
+            return
+        idx = [i for i, s in enumerate(st.segs) if s.encoded]
+        if len(idx) < 2 or idx != list(range(idx[0], idx[-1] + 1)):
+            return
+        segs = [st.segs[i] for i in idx]
+        if any(a.end_unit != b.first_unit or a.skip_units or b.skip_units for a, b in zip(segs, segs[1:])):
+            return
+        k_enc = concat_tokens(self._k_codecs[layer], [s.k_enc for s in segs])
+        v_enc = concat_tokens(self._v_codecs[layer], [s.v_enc for s in segs]) if k_enc is not None else None
+        if v_enc is None:
+            return
+        joined = _Seg(segs[0].first_unit, tuple(t for s in segs for t in s.unit_tokens), k_enc=k_enc, v_enc=v_enc)
+        old = sum(s.nbytes for s in segs)
+        if joined.nbytes != old:  # concat_tokens only joins exact layouts; anything else is a bug
+            raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes ({old} -> {joined.nbytes})")
+        self._scratch_peak = max(self._scratch_peak, old)
+        st.segs[idx[0] : idx[-1] + 1] = [joined]
+
     def decoded_nbytes(self) -> int:
         """Bytes of the decodes kept by `reuse_decoded` (0 when it is off)."""
         return sum(
@@ -556,7 +585,7 @@ class KVStore:
         if not st.segs:
             raise KVCacheError(self._empty_message(layer, "KVStore.past"))
         segs = self.segments(layer)
-        self._note_scratch(st, segs, None)
+        self._note_scratch(layer, st, segs, None)
         return attention.gather(segs, None, None, st.dtype)
 
     def attend(
@@ -584,17 +613,23 @@ class KVStore:
         if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
             raise KVCacheError(f"{where}: scale must be a positive number or None (1/sqrt(D)), got {scale!r}")
         segs = self.segments(layer)
-        self._note_scratch(st, segs, k_cur)
+        self._note_scratch(layer, st, segs, k_cur)
         return attention.attend(q, segs, k_cur, v_cur, scale=scale, backend=self.config.attention)
 
-    def _note_scratch(self, st: _Layer, segs: list[attention.Segment], k_cur: torch.Tensor | None) -> None:
+    def _note_scratch(self, layer: int, st: _Layer, segs: list[attention.Segment], k_cur: torch.Tensor | None
+                      ) -> None:
         # Upper bound of what the reference allocates besides SDPA's own workspace: the gathered K and V buffers of
         # [past | current] plus one encoded segment's decode (shape arithmetic, not an allocator reading).
         ref_batch = st.batch if st.batch is not None else k_cur.shape[0]
         ref_dtype = st.dtype if st.dtype is not None else k_cur.dtype
         per_token = 2 * ref_batch * self.num_heads * self.head_dim * ref_dtype.itemsize
         total = sum(s.num_tokens for s in segs) + (0 if k_cur is None else k_cur.shape[2])
-        biggest = max((s.k_enc.shape[-2] for s in segs if s.encoded), default=0)
+        # A Triton decoder writes straight into the gather buffer (`Codec.decode(out=...)`); the torch reference
+        # decodes a segment (after `_consolidate`, the whole encoded past) into a temporary first.
+        device = st.device if st.device is not None else k_cur.device
+        direct = all(_kernel(c, "decode", device) is not None
+                     for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
+        biggest = 0 if direct else max((s.k_enc.shape[-2] for s in segs if s.encoded), default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
 
     # -- counts and bytes --------------------------------------------------------------------------------------

@@ -193,6 +193,26 @@ def test_decode_into_out(preset):
 
 
 @pytest.mark.parametrize("preset", PRESET_IDS)
+def test_token_local_codecs_concatenate_exactly(preset):
+    """`token_local` codecs encode each token on its own: a run of units encoded at once decodes bit for bit like
+    the units encoded one by one, and `concat_tokens` joins encodings without changing a byte (the store relies on
+    both); codecs that group over tokens do not claim it, and `concat_tokens` refuses them."""
+    from mmkv.codecs.base import concat_tokens
+
+    codec = build(preset, head_dim=32, num_heads=3, seed=1)
+    xs = [_x((2, 3, t, 32), 5 + t, torch.bfloat16) for t in (8, 16, 24)]
+    parts = [codec.encode(x) for x in xs]
+    joined = concat_tokens(codec, parts)
+    if not codec.token_local:
+        assert joined is None
+        return
+    whole = codec.decode(codec.encode(torch.cat(xs, 2)))
+    assert torch.equal(whole, torch.cat([codec.decode(p) for p in parts], 2))
+    assert joined is not None and joined.nbytes == sum(p.nbytes for p in parts)
+    assert torch.equal(codec.decode(joined), whole)
+
+
+@pytest.mark.parametrize("preset", PRESET_IDS)
 def test_single_head_rank2_input(preset):
     codec = build(preset, head_dim=64, seed=4)
     x = _x((33, 64), 3)

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -218,6 +219,58 @@ def build(
     """Build a codec instance for one layer (and its `num_heads` KV heads) from a preset or config."""
     cfg = CodecConfig.parse(config)
     return get_codec_class(cfg.name)(cfg, head_dim=head_dim, num_heads=num_heads, layer=layer, seed=seed)
+
+
+def token_layout(codec: "Codec", lead: int) -> dict[str, tuple[int, Fraction]]:
+    """For each tensor a token-local codec stores, (the axis that grows with the token count, entries per token),
+    found once per codec and leading rank by encoding two probe lengths on the CPU (shapes never depend on values).
+    Fields with a fixed part (not proportional to the token count) are left out: they cannot be concatenated."""
+    cache = codec.__dict__.setdefault("_token_layouts", {})
+    if lead in cache:
+        return cache[lead]
+    g = torch.Generator().manual_seed(0)
+    heads = [codec.num_heads] if lead >= 1 and codec.num_heads > 1 else [1] * min(lead, 1)
+    dims = [1] * (lead - len(heads)) + heads
+    probes = []
+    for t in (16, 32):
+        # the class's encode, not an instance attribute (tests and simulate_peak_nbytes wrap that to count units)
+        enc = type(codec).encode(codec, torch.randn(*dims, t, codec.head_dim, generator=g))
+        probes.append({k: tuple(v.shape) for k, v in enc.tensors.items()})
+    layout = {}
+    for k, s1 in probes[0].items():
+        s2 = probes[1][k]
+        diff = [i for i, (a, b) in enumerate(zip(s1, s2)) if a != b]
+        if len(diff) == 1:
+            rate = Fraction(s2[diff[0]] - s1[diff[0]], 16)
+            if rate * 16 == s1[diff[0]]:  # proportional: no fixed part
+                layout[k] = (diff[0], rate)
+    cache[lead] = layout
+    return layout
+
+
+def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
+    """One encoding of the concatenated tokens of `encs` (consecutive encodings of a token-local codec, same leading
+    dims), built by concatenating the stored tensors, or None when that would not be exact: a field whose size is not
+    proportional to its tokens (a packed row padded to a byte), differing metadata, or a codec that is not
+    token-local. Decoding it equals concatenating the decodes, bit for bit."""
+    if not getattr(codec, "token_local", False) or len(encs) < 2:
+        return None
+    first = encs[0]
+    lead = len(first.shape) - 2
+    if any(tuple(e.shape[:-2]) != tuple(first.shape[:-2]) or e.meta != first.meta or e.codec != first.codec
+           or list(e.tensors) != list(first.tensors) for e in encs):
+        return None
+    layout = token_layout(codec, lead)
+    if set(layout) != set(first.tensors):
+        return None
+    for e in encs:
+        t = e.shape[-2]
+        for k, (axis, rate) in layout.items():
+            if rate * t != e.tensors[k].shape[axis]:
+                return None
+    tensors = {k: torch.cat([e.tensors[k] for e in encs], dim=layout[k][0]) for k in first.tensors}
+    shape = (*first.shape[:-2], sum(e.shape[-2] for e in encs), first.shape[-1])
+    return Encoded(first.codec, shape, first.dtype, tensors, dict(first.meta))
 
 
 def check_out(codec: "Codec", enc: Encoded, dtype: torch.dtype, out: torch.Tensor) -> None:
