@@ -327,6 +327,7 @@ class KVStore:
     def reset(self) -> None:
         """Start a new rollout: drop every unit and reset all statistics (codec instances are kept: same seed)."""
         self._layers = [_Layer() for _ in range(self.num_layers)]
+        self._direct: dict[tuple[int, str], bool] = {}
         self._held = 0
         self._peak = 0
         self._scratch_peak = 0
@@ -627,8 +628,11 @@ class KVStore:
         # A Triton decoder writes straight into the gather buffer (`Codec.decode(out=...)`); the torch reference
         # decodes a segment (after `_consolidate`, the whole encoded past) into a temporary first.
         device = st.device if st.device is not None else k_cur.device
-        direct = all(_kernel(c, "decode", device) is not None
-                     for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
+        key = (layer, str(device))
+        direct = self._direct.get(key)
+        if direct is None:  # once per layer and device: this runs on every attention call
+            direct = self._direct[key] = all(_kernel(c, "decode", device) is not None
+                                             for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
         biggest = 0 if direct else max((s.k_enc.shape[-2] for s in segs if s.encoded), default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
 
