@@ -244,3 +244,23 @@ def test_bad_calls_raise_clear_errors(dit, context):
     with pytest.raises(ValueError, match="layers"):
         with make_store(None, layers=1).attach(dit.transformer):
             pass
+
+
+@pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2"])
+def test_merged_and_joined_segments_give_the_same_rollout(dit, context, codec):
+    """merge_units (one encode per block, encoded past joined into one segment) changes how the past is held, not
+    what attention reads: the rollout is bit-identical to unit-by-unit encoding."""
+    preset = get_preset("causvid")
+    out = {}
+    for merge in (True, False):
+        store = KVStore(CacheConfig(codec=codec, residual_window=1, merge_units=merge),
+                        num_layers=TINY_DIT["num_layers"], num_heads=TINY_DIT["num_attention_heads"],
+                        head_dim=TINY_DIT["attention_head_dim"])
+        out[merge] = run(dit, context, preset, store)[0].latents
+        segments = len(store.segments(0))
+        # unit by unit: one segment a frame; merged: one a block, joined into one past segment when each frame's
+        # packed rows end on a byte (TurboQuant: whole bytes a token; OCTOPUS at 6 tokens a frame: not)
+        blocks = frames_for(preset) // preset.frames_per_block
+        want = frames_for(preset) if not merge else (2 if codec.startswith("turboquant") else blocks + 1)
+        assert segments == want, segments
+    assert torch.equal(out[True], out[False])
