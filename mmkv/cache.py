@@ -108,7 +108,7 @@ class CacheConfig:
                       (default): decode per call into one layer's scratch. Key codecs with a score estimator keep
                       using it (their encoded form is what they score).
     merge_units:      with global attention (no rolling window) and token-local K and V codecs (each token encoded
-                      on its own: OCTOPUS, TurboQuant, QJL, PolarQuant, identity, per-token group quantisers), encode
+                      on its own: OCTOPUS, TurboQuant-MSE, PolarQuant, identity, per-token group quantisers), encode
                       the consecutive units that leave the window in one append as one segment (default). Decodes are
                       bit-identical to unit-by-unit encoding; a segment of 3 frames instead of 3 segments means 3x
                       fewer encode calls. When attention reads the layer, its encoded segments are also joined into
@@ -308,8 +308,11 @@ class KVStore:
             raise KVCacheError(f"KVStore: K and V codecs ask for different span_units {sorted(spans)}")
         self.span_units: int | None = spans.pop() if spans else None
         # Token-local codecs encode a run of units exactly as unit by unit (see CacheConfig.merge_units).
+        # Not for score-estimator keys on their own path (attention != "decode"): `scores_lse` unpacks a whole
+        # segment once per query chunk, so one long segment would cost quadratically in the past.
+        scored = config.attention != "decode" and any(c.has_scores for c in codecs)
         self.merge = (config.merge_units and config.attention_window is None and not self.span and bool(codecs)
-                      and all(c.token_local for c in codecs))
+                      and all(c.token_local for c in codecs) and not scored)
         if self.span_units is not None and (not _is_int(self.span_units) or self.span_units < 1):
             raise KVCacheError(f"KVStore: codec span_units must be a positive int, got {self.span_units!r}")
         self.reset()
@@ -633,7 +636,8 @@ class KVStore:
         if direct is None:  # once per layer and device: this runs on every attention call
             direct = self._direct[key] = all(_kernel(c, "decode", device) is not None
                                              for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
-        biggest = 0 if direct else max((s.k_enc.shape[-2] for s in segs if s.encoded), default=0)
+        # a span partly evicted by the rolling window is decoded whole and copied, kernels or not
+        biggest = max((s.k_enc.shape[-2] for s in segs if s.encoded and (s.skip_tokens or not direct)), default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
 
     # -- counts and bytes --------------------------------------------------------------------------------------

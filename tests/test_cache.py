@@ -768,3 +768,39 @@ def test_reuse_decoded_keeps_score_estimators():
 def test_reuse_decoded_must_be_a_bool():
     with pytest.raises(KVCacheError, match="reuse_decoded"):
         CacheConfig(reuse_decoded="yes")
+
+
+def test_scratch_counts_the_decode_of_a_partly_evicted_span_even_with_kernels(monkeypatch):
+    """With decode kernels the gather needs no per-segment temporary, except for a span the rolling window has partly
+    evicted: it is decoded whole and its visible tokens copied, so that decode is scratch too."""
+    import mmkv.cache as cache_mod
+
+    def scratch(direct: bool) -> tuple[int, int]:
+        if direct:  # what CUDA with kernels answers; attention itself still runs the reference here
+            monkeypatch.setattr(cache_mod, "_kernel", lambda codec, op, device: (lambda *a, **k: None))
+        else:
+            monkeypatch.undo()
+        gen = torch.Generator().manual_seed(21)
+        store = store_for("qvg:bits=2,centroids=2,block=16", residual_window=1, attention_window=5)
+        biggest = 0
+        for _ in range(5):
+            store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
+            segs = store.segments(0)
+            store.attend(0, rand(gen, 2))
+            visible = sum(s.num_tokens for s in segs)
+            skipped = max((s.k_enc.shape[-2] for s in segs if s.encoded and s.skip_tokens), default=0)
+            biggest = max(biggest, visible + skipped)
+        return store.scratch_peak_nbytes, 2 * BATCH * H * D * 4 * biggest
+
+    for direct in (False, True):
+        got, floor = scratch(direct)
+        assert got >= floor, (direct, got, floor)
+
+
+def test_score_estimator_keys_are_not_merged_on_their_own_path():
+    """OCTOPUS-QJL keys are token-local, but their score estimator unpacks a whole segment per query chunk: merged or
+    joined segments would make it quadratic in the past, so the store merges them only when attention decodes."""
+    assert not store_for("octopus-qjl:b=2").merge
+    assert store_for("octopus-qjl:b=2", attention="decode").merge
+    assert store_for("octopus:b=2").merge
+    assert not store_for("qjl:bits=2", attention="decode").merge  # its reference projection is not row-local

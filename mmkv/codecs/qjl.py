@@ -57,7 +57,10 @@ class QJLCodec(GaussianSketch, Codec):
     """QJL keys. Params: bits (1..8 sign bits per coordinate, i.e. sketch size m = bits * d), norm (32 or 16)."""
 
     name = "qjl"
-    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    # Not token_local: the reference projects with a matmul whose fp32 result depends on how many rows it gets
+    # (a 1-token unit and the same token inside a run differ by ~1e-6), so a merged run would not decode bit
+    # for bit like its units; and the score estimator re-unpacks a whole segment per query chunk.
+    token_local = False
     defaults = {"bits": 2, "norm": 32}
     aliases = {"b": "bits"}
     has_scores = True

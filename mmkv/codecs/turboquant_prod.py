@@ -41,7 +41,10 @@ class TurboQuantProdCodec(GaussianSketch, Codec):
     both stored norms)."""
 
     name = "turboquant-prod"
-    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    # Not token_local: the reference projects with a matmul whose fp32 result depends on how many rows it gets
+    # (a 1-token unit and the same token inside a run differ by ~1e-6), so a merged run would not decode bit
+    # for bit like its units; and the score estimator re-unpacks a whole segment per query chunk.
+    token_local = False
     defaults = {"b": 4, "norm": 32}
     aliases = {"bits": "b"}
     requires_pow2 = True
