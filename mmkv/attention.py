@@ -22,7 +22,9 @@ footprint again, which is what the codec is meant to save (ecosystem.md D4, qvg.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -116,14 +118,27 @@ def gather(
         n = part.num_tokens
         k_dst, v_dst = k_out[..., start : start + n, :], v_out[..., start : start + n, :]
         if part.encoded and not part.skip_tokens:
-            part.k_codec.decode(part.k_enc, dtype=dtype, out=k_dst)
-            part.v_codec.decode(part.v_enc, dtype=dtype, out=v_dst)
+            _decode_into(part.k_codec, part.k_enc, dtype, k_dst)
+            _decode_into(part.v_codec, part.v_enc, dtype, v_dst)
         else:  # native, or a span with evicted leading units: decode whole, copy the visible tokens
             k, v = part.decode(dtype)
             k_dst.copy_(k)
             v_dst.copy_(v)
         start += n
     return k_out, v_out
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_out(cls: type) -> bool:
+    """Whether a codec class's `decode` takes `out=` (every codec here does; one registered from elsewhere may not)."""
+    return "out" in inspect.signature(cls.decode).parameters
+
+
+def _decode_into(codec: Codec, enc: Encoded, dtype: torch.dtype, out: torch.Tensor) -> None:
+    if _takes_out(type(codec)):
+        codec.decode(enc, dtype=dtype, out=out)
+    else:
+        out.copy_(codec.decode(enc, dtype=dtype))
 
 
 def _segment_shape(seg: Segment) -> tuple[int, ...]:

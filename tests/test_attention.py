@@ -188,3 +188,23 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     out = attn.attend(q, [seg], backend="reference")
     ref = F.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(D))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_gather_copies_for_a_codec_whose_decode_takes_no_out():
+    """A codec registered from elsewhere may implement `decode(enc, dtype)` without `out=`: the gather still works,
+    decoding then copying."""
+    from mmkv.attention import Segment, gather
+    from mmkv.codecs import build
+
+    class Plain:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def decode(self, enc, dtype=None):
+            return self.inner.decode(enc, dtype)
+
+    codec = build("groupquant:bits=4,group=16", head_dim=32, num_heads=2)
+    x = torch.randn(1, 2, 5, 32, generator=torch.Generator().manual_seed(3))
+    enc = codec.encode(x)
+    k, v = gather([Segment(k_enc=enc, v_enc=enc, k_codec=Plain(codec), v_codec=Plain(codec))], x, x, torch.float32)
+    assert torch.equal(k[..., :5, :], codec.decode(enc, torch.float32)) and torch.equal(k[..., 5:, :], x)
