@@ -1,9 +1,12 @@
 """Which Triton kernel encodes or decodes a codec's data: `lookup(op, codec) -> callable | None`.
 
 Protocol (what `Codec.encode/decode` call when the input is on CUDA):
-  encode: fn(codec, x) -> Encoded        x[..., T, D] already validated by `check_input`, any float dtype, on the
+  encode: fn(codec, x, *, defer=None) -> Encoded
+                                         x[..., T, D] already validated by `check_input`, any float dtype, on the
                                          kernel's device; returns the complete bundle (codec string, shape, dtype,
-                                         tensors, meta) that the reference `codec.encode(x)` returns.
+                                         tensors, meta) that the reference `codec.encode(x)` returns. Checks of
+                                         the result that need a host sync go to `defer` when it is a list
+                                         (`mmkv.kernels.common.check_or_defer`).
   decode: fn(codec, enc, dtype, *, out=None) -> Tensor
                                          enc already checked against the codec; returns [..., T, D] in `dtype`,
                                          written into `out` when given (rows evenly strided, unit channel

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import CodecError, Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, check_or_defer, rint, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht_lanes
 
@@ -117,6 +117,7 @@ def minmax_encode(
     rotate: bool = False,
     norm: torch.Tensor | None = None,
     norm_heads: int = 1,
+    defer: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """`encode_minmax` on the kernel (x[..., T, D] any float dtype, contiguous): {"codes", "scale", "offset"}.
     `rotate` applies the normalised H first and `norm` ([rows / norm_heads, T] fp32) divides each token by its norm
@@ -141,13 +142,11 @@ def minmax_encode(
             D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
             ROUNDED=zero_point == "rounded", num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
         )
-    # one reduction, one host sync (two `.all()` tested in turn would sync twice)
-    if scale.numel() and not bool(torch.isfinite(scale).all() & torch.isfinite(offset).all()):
-        big = float(x.float().abs().max())
-        raise CodecError(
-            f"{where}: group scale/offset overflow {meta_dtype} (largest |value| {big:.4g}); use meta=fp32 for inputs "
-            f"beyond the fp16 range"
-        )
+    if scale.numel():  # one reduction; read now (a host sync) or by the caller with its other checks (`defer`)
+        bad = ~(torch.isfinite(scale).all() & torch.isfinite(offset).all())
+        check_or_defer(bad, lambda: (
+            f"{where}: group scale/offset overflow {meta_dtype} (largest |value| {float(x.float().abs().max()):.4g}); "
+            f"use meta=fp32 for inputs beyond the fp16 range"), defer, CodecError)
     return {"codes": codes, "scale": scale, "offset": offset}
 
 
@@ -155,11 +154,11 @@ def supports(codec) -> bool:
     return supports_minmax(codec.head_dim, codec.group, codec.bits)
 
 
-def encode(codec, x: torch.Tensor) -> Encoded:
+def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     """`codec.encode(x)` for groupquant on the kernel: per-token groups of `group` channels, float-minimum offset."""
     x = x.contiguous()
     tensors = minmax_encode(
         x, bits=codec.bits, group=codec.group, axis="token", zero_point="min", meta_dtype=codec.meta_dtype,
-        where=f"codec {codec.config} (layer {codec.layer})",
+        where=f"codec {codec.config} (layer {codec.layer})", defer=defer,
     )
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

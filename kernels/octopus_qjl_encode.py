@@ -12,6 +12,6 @@ from mmkv.kernels import octopus_encode
 from mmkv.kernels.octopus_encode import supports  # noqa: F401  (same parameter range)
 
 
-def encode(codec, x: torch.Tensor) -> Encoded:
+def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     """`codec.encode(x)` for OCTOPUS-QJL on the kernel: x[..., T, D] in any float dtype, already validated."""
-    return octopus_encode.encode(codec, x)
+    return octopus_encode.encode(codec, x, defer=defer)

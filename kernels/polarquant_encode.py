@@ -22,7 +22,8 @@ from triton.language.extra import libdevice
 from mmkv.codecs.base import CodecError, Encoded
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
-    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, token_block, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, check_or_defer, device_tables, load_rows, rows_of, search, search_table,
+    token_block, vector,
 )
 from mmkv.kernels.packing import pack_plane
 from mmkv.kernels.rotation import fwht
@@ -100,6 +101,11 @@ def supports(codec) -> bool:
     return 16 <= codec.head_dim <= 256
 
 
+def _cells(codec) -> tuple[int, ...]:
+    """The CELLS constexprs of the four levels, as Python ints (reading them from the device table was a sync)."""
+    return tuple(int(c) for c in _tables(codec, torch.device("cpu"))["cells"])
+
+
 def _tables(codec, device: torch.device) -> dict:
     def build():
         cent = torch.zeros(DEPTH, _LUT)
@@ -118,7 +124,7 @@ def _tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "polarquant", build)
 
 
-def encode(codec, x: torch.Tensor) -> Encoded:
+def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     """`codec.encode(x)` for PolarQuant on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
@@ -139,15 +145,14 @@ def encode(codec, x: torch.Tensor) -> Encoded:
         _polarquant_encode_kernel[(triton.cdiv(T, bt), rows)](
             x, tab["signs"], tab["thr"], tab["n"], *planes, radius, T, 1.0 / math.sqrt(D), *row_bytes, v,
             D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET,
-            **dict(zip(("C1", "C2", "C3", "C4"), (int(c) for c in tab["cells"].cpu()))), V=v, num_warps=ROWS_WARPS,
+            **dict(zip(("C1", "C2", "C3", "C4"), _cells(codec))), V=v, num_warps=ROWS_WARPS,
             **LAUNCH,
         )
     tensors = {f"angles{level}": p for level, p in enumerate(planes, start=1)}
     r16 = radius.to(torch.float16)
-    if r16.numel() and not torch.isfinite(r16).all():
-        raise CodecError(
+    if r16.numel():
+        check_or_defer(~torch.isfinite(r16).all(), lambda: (
             f"codec {codec.config} (layer {codec.layer}): a block radius exceeds the fp16 range "
-            f"(max {float(radius.max()):.4g}); PolarQuant stores fp16 radii"
-        )
+            f"(max {float(radius.max()):.4g}); PolarQuant stores fp16 radii"), defer, CodecError)
     tensors["radius"] = r16.contiguous()
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -46,7 +46,7 @@ def _tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "qjl", lambda: {"sketch": codec.sketch.float()})  # [H, m, d]
 
 
-def encode(codec, x: torch.Tensor) -> Encoded:
+def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     """`codec.encode(x)` for QJL on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape

@@ -76,7 +76,7 @@ def _tables(codec, device: torch.device) -> dict:
 
 
 def encode(
-    codec, x: torch.Tensor, *, warps: int | None = None
+    codec, x: torch.Tensor, *, warps: int | None = None, defer: list | None = None
 ) -> Encoded:
     """`codec.encode(x)` for TurboQuant-MSE on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()

@@ -72,7 +72,7 @@ def _tables(codec, device: torch.device) -> dict:
     )
 
 
-def encode(codec, x: torch.Tensor) -> Encoded:
+def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     """`codec.encode(x)` for TurboQuant-prod on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape

@@ -330,7 +330,7 @@ class KVStore:
     def reset(self) -> None:
         """Start a new rollout: drop every unit and reset all statistics (codec instances are kept: same seed)."""
         self._layers = [_Layer() for _ in range(self.num_layers)]
-        self._direct: dict[tuple[int, str], bool] = {}
+        self._direct: dict[tuple, bool] = {}
         self._held = 0
         self._peak = 0
         self._scratch_peak = 0
@@ -395,13 +395,34 @@ class KVStore:
         leaving = sorted(u for u in list(natives) + list(new) if not self._stays_native(layer, u, total))
 
         # 2. Encode them (exactly once) before touching the store, so a failing encode leaves it as it was.
+        #    Validity checks that live on the device (NaN/Inf in the input, side information overflowing fp16) are
+        #    read together, in one host sync for the whole append, when the Triton encoders run; otherwise at once.
         staged = []
-        finite = self._all_finite(leaving, natives, new)
-        for group in self._groups(leaving):
+        groups = self._groups(leaving)
+        deferred = self._deferrable(layer, k.device) and bool(leaving)
+        nonfinite = self._nonfinite(leaving, natives, new)
+        finite = nonfinite is None or (not deferred and not bool(nonfinite))
+        checks: list[tuple[list[int], torch.Tensor, Any]] = []
+        for group in groups:
+            defer: list | None = [] if deferred else None
             try:
-                staged.append(self._encode(layer, group, natives, new, finite))
+                staged.append(self._encode(layer, group, natives, new, finite or deferred, defer))
             except CodecError as err:
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
+            checks += [(group, bad, message) for bad, message in defer or []]
+        if deferred and nonfinite is not None:
+            flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks]).tolist()
+            if flags[0]:  # encode again with the codecs' own scans: the first to meet the NaN/Inf names it
+                for group in groups:
+                    try:
+                        self._encode(layer, group, natives, new, False, None)
+                    except CodecError as err:
+                        raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}"
+                                           ) from err
+                raise KVCacheError(f"{where}: units {leaving} hold NaN/Inf values; nothing was stored")
+            for (group, _, message), bad in zip(checks, flags[1:]):
+                if bad:
+                    raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {message()}")
 
         # 3. Commit: evict, swap encoded segments in for their native sources, add the rest of the new units
         #    natively (a copy: a view would pin the caller's whole block).
@@ -467,15 +488,25 @@ class KVStore:
         return [run[i : i + m] for run in runs for i in range(0, len(run) - len(run) % m, m)]
 
     @staticmethod
-    def _all_finite(leaving: list[int], natives: dict[int, _Seg], new: dict[int, tuple[torch.Tensor, torch.Tensor]]
-                    ) -> bool:
-        """Whether every K/V element of the units about to be encoded is finite: one reduction and one host sync for
-        the whole append, instead of one scan (and sync) per codec call. When it is False the codecs scan again and
-        the first one to find a NaN/Inf names it."""
+    def _nonfinite(leaving: list[int], natives: dict[int, _Seg], new: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> torch.Tensor | None:
+        """A 0-d bool tensor: does any K/V element of the units about to be encoded hold NaN/Inf? One reduction for
+        the whole append instead of one scan (and host sync) per codec call; None when there is nothing to scan
+        (no units, or `simulate_peak_nbytes`' shape-only tensors). When it is set the codecs scan again and the first
+        one to find a NaN/Inf names it."""
         tensors = [t for u in leaving for t in (new[u] if u in new else (natives[u].k, natives[u].v))]
-        if not tensors or tensors[0].device.type == "meta":  # nothing to scan (simulate_peak_nbytes' shapes)
-            return True
-        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+        if not tensors or tensors[0].device.type == "meta":
+            return None
+        return ~torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+    def _deferrable(self, layer: int, device: torch.device) -> bool:
+        """Whether this layer's encodes run the Triton encoders, which take NaN/Inf without failing, so that their
+        checks and the store's NaN scan can be read after them, together (the torch references are checked first)."""
+        key = (layer, str(device), "encode")
+        if key not in self._direct:
+            self._direct[key] = all(_kernel(c, "encode", device) is not None
+                                    for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
+        return self._direct[key]
 
     def _encode(
         self,
@@ -484,6 +515,7 @@ class KVStore:
         natives: dict[int, _Seg],
         new: dict[int, tuple[torch.Tensor, torch.Tensor]],
         finite: bool = False,
+        defer: list | None = None,
     ) -> tuple[_Seg, list[_Seg], int]:
         """Encode one group of consecutive units; returns (encoded segment, native segments it replaces, K numel)."""
         ks, vs, sources = [], [], []
@@ -499,8 +531,8 @@ class KVStore:
         k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         kc, vc = self._k_codecs[layer], self._v_codecs[layer]
-        seg = _Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k, assume_finite=finite),
-                   v_enc=vc.encode(v, assume_finite=finite))
+        seg = _Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k, assume_finite=finite, defer=defer),
+                   v_enc=vc.encode(v, assume_finite=finite, defer=defer))
         return seg, sources, k.numel()
 
     def _evict(self, st: _Layer, live) -> None:

@@ -286,3 +286,55 @@ def test_dispatch_table(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert lookup("decode", codec) is None  # off CUDA, no interpreter
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the store's deferred checks (what CUDA runs: the Triton encoders, their checks read once per append)
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Codec.encode/decode and the store take the kernel path on CPU tensors (the interpreter), as on CUDA."""
+    import mmkv.cache as cache_mod
+    import mmkv.codecs.base as base_mod
+
+    def lookup(codec, op, device):
+        return K["dispatch"].lookup(op, codec)
+
+    monkeypatch.setattr(base_mod, "_kernel", lookup)
+    monkeypatch.setattr(cache_mod, "_kernel", lookup)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's overflow warnings inside the interpreter
+def test_store_reads_encoder_checks_once_per_append(kernels_on_cpu, monkeypatch):
+    from mmkv.cache import CacheConfig, KVCacheError, KVStore
+
+    def store():
+        return KVStore(CacheConfig(codec="groupquant:bits=2,group=16", residual_window=1), num_layers=1,
+                       num_heads=2, head_dim=32)
+
+    seen = []
+    real = K["groupquant_encode"].encode
+
+    def spy(codec, x, *, defer=None):
+        seen.append(defer)
+        return real(codec, x, defer=defer)
+
+    monkeypatch.setitem(K["dispatch"].__dict__, "lookup", lambda op, codec: spy if op == "encode" else
+                        K["groupquant_decode"].decode)
+    s = store()
+    g = torch.Generator().manual_seed(5)
+    x = lambda scale=1.0: torch.randn(1, 2, 3 * 8, 32, generator=g) * scale  # noqa: E731
+    s.append(0, x(), x(), num_units=3)
+    assert seen and all(isinstance(d, list) for d in seen)  # the encoders deferred their overflow checks
+    before = (s.nbytes(), s.encoded_units(0))
+    with pytest.raises(KVCacheError, match=r"encoding units \[2, 3, 4\] failed; nothing was stored: .*overflow"):
+        s.append(0, x(1e6), x(), num_units=3)
+    assert (s.nbytes(), s.encoded_units(0)) == before
+    bad = x()
+    bad[0, 1, 5, 7] = float("nan")
+    with pytest.raises(KVCacheError, match=r"failed; nothing was stored: .*NaN/Inf"):
+        s.append(0, bad, x(), num_units=3)
+    assert (s.nbytes(), s.encoded_units(0)) == before
+    s.append(0, x(), x(), num_units=3, first_unit=3)  # the rollout goes on
+    assert s.encoded_units(0) == [0, 1, 2, 3, 4]

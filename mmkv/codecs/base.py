@@ -341,12 +341,17 @@ class Codec:
         raise NotImplementedError
 
     # -- public protocol ---------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, *, assume_finite: bool = False) -> Encoded:
+    def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
         """Encode x [..., T, D]. `assume_finite=True` skips the NaN/Inf scan (a host sync on CUDA): for callers that
-        have already checked x, as `mmkv.cache.KVStore` does once per append for all the units it encodes."""
+        have already checked x, as `mmkv.cache.KVStore` does once per append for all the units it encodes. `defer`: a
+        list to which a Triton encoder appends its device-side checks (side information overflowing fp16) as
+        (bad flag, message) instead of reading them at once; the caller must read them before using the result."""
         self.check_input(x, finite=not assume_finite)
         kernel = _kernel(self, "encode", x.device)
-        enc = kernel(self, x) if kernel is not None else self._encode(x.float())
+        if kernel is not None:
+            enc = kernel(self, x) if defer is None else kernel(self, x, defer=defer)
+        else:
+            enc = self._encode(x.float())
         enc.shape = tuple(x.shape)
         enc.dtype = x.dtype
         enc.codec = str(self.config)

@@ -28,7 +28,7 @@ class IdentityCodec(Codec):
             raise CodecError(f"identity: dtype must be one of {sorted(_DTYPES)}, got {self.config['dtype']!r}")
         self.store_dtype = _DTYPES[self.config["dtype"]]
 
-    def encode(self, x: torch.Tensor, *, assume_finite: bool = False) -> Encoded:
+    def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
         self.check_input(x, finite=not assume_finite)
         stored = x.detach().to(self.store_dtype or x.dtype).contiguous()
         if stored.data_ptr() == x.data_ptr():

@@ -230,12 +230,20 @@ class OctopusCodec(Codec):
         T = enc.shape[-2]
         return unpack_bits(enc.tensors[key], width, T * n).unflatten(-1, (T, n))
 
-    def _store_gamma(self, gamma: torch.Tensor) -> torch.Tensor:
+    def _store_gamma(self, gamma: torch.Tensor, defer: list | None = None) -> torch.Tensor:
+        """Norms as stored: fp32, or fp16 after checking they fit (read now, or added to `defer`, see
+        `mmkv.kernels.common.check_or_defer`)."""
         if self.norm_bits == 32:
             return gamma.float()
-        big = float(gamma.max()) if gamma.numel() else 0.0
-        if big > 65504.0:
-            raise CodecError(f"codec {self.config}: key norm {big:g} overflows the fp16 gamma; use norm=32")
+        if gamma.numel():
+            def message() -> str:
+                return f"codec {self.config}: key norm {float(gamma.max()):g} overflows the fp16 gamma; use norm=32"
+
+            bad = gamma.max() > 65504.0
+            if defer is not None:
+                defer.append((bad, message))
+            elif bool(bad):
+                raise CodecError(message())
         return gamma.half()
 
     # -- protocol ----------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class QVGCodec(Codec):
         self.qmax = (1 << (self.bits - 1)) - 1
 
     # -- protocol ----------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, *, assume_finite: bool = False) -> Encoded:
+    def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
         # Not Codec.encode: that hands _encode fp32, and QVG forms its residuals in the input dtype (§2.5).
         self.check_input(x, finite=not assume_finite)
         if x.shape[-2] == 0:
