@@ -330,7 +330,7 @@ class KVStore:
     def reset(self) -> None:
         """Start a new rollout: drop every unit and reset all statistics (codec instances are kept: same seed)."""
         self._layers = [_Layer() for _ in range(self.num_layers)]
-        self._direct: dict[tuple, bool] = {}
+        self._direct: dict[tuple[int, str, str], bool] = {}
         self._held = 0
         self._peak = 0
         self._scratch_peak = 0
@@ -399,7 +399,7 @@ class KVStore:
         #    read together, in one host sync for the whole append, when the Triton encoders run; otherwise at once.
         staged = []
         groups = self._groups(leaving)
-        deferred = self._deferrable(layer, k.device) and bool(leaving)
+        deferred = self._on_kernels(layer, k.device, "encode") and bool(leaving)
         nonfinite = self._nonfinite(leaving, natives, new)
         finite = nonfinite is None or (not deferred and not bool(nonfinite))
         checks: list[tuple[list[int], torch.Tensor, Any]] = []
@@ -499,12 +499,13 @@ class KVStore:
             return None
         return ~torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
-    def _deferrable(self, layer: int, device: torch.device) -> bool:
-        """Whether this layer's encodes run the Triton encoders, which take NaN/Inf without failing, so that their
-        checks and the store's NaN scan can be read after them, together (the torch references are checked first)."""
-        key = (layer, str(device), "encode")
+    def _on_kernels(self, layer: int, device: torch.device, op: str) -> bool:
+        """Whether this layer's codecs run Triton kernels for `op` on `device` (decided once per layer, device and op:
+        it is asked on every attention call). Encoders: they take NaN/Inf without failing, so their checks and the
+        store's NaN scan can be read after them, together. Decoders: they write into the gather buffer."""
+        key = (layer, str(device), op)
         if key not in self._direct:
-            self._direct[key] = all(_kernel(c, "encode", device) is not None
+            self._direct[key] = all(_kernel(c, op, device) is not None
                                     for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
         return self._direct[key]
 
@@ -662,12 +663,7 @@ class KVStore:
         total = sum(s.num_tokens for s in segs) + (0 if k_cur is None else k_cur.shape[2])
         # A Triton decoder writes straight into the gather buffer (`Codec.decode(out=...)`); the torch reference
         # decodes a segment (after `_consolidate`, the whole encoded past) into a temporary first.
-        device = st.device if st.device is not None else k_cur.device
-        key = (layer, str(device))
-        direct = self._direct.get(key)
-        if direct is None:  # once per layer and device: this runs on every attention call
-            direct = self._direct[key] = all(_kernel(c, "decode", device) is not None
-                                             for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
+        direct = self._on_kernels(layer, st.device if st.device is not None else k_cur.device, "decode")
         # a span partly evicted by the rolling window is decoded whole and copied, kernels or not
         biggest = max((s.k_enc.shape[-2] for s in segs if s.encoded and (s.skip_tokens or not direct)), default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
