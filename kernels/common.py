@@ -164,7 +164,10 @@ def search(v, t_ptr, n_ptr, NB: tl.constexpr, CELLS: tl.constexpr):
         lo = tl.load(t_ptr)
         inv_w = tl.load(t_ptr + 1)
         f = tl.minimum(tl.maximum((v - lo) * inv_w, 0.0), CELLS - 1.0)
-        n = tl.load(n_ptr + f.to(tl.int32)).to(tl.int32)
+        # clamp again as an integer: a NaN survives the float clamp (the interpreter's maximum keeps it) and would
+        # index outside the table; the store lets NaN reach the encoders and reads its own NaN flag afterwards
+        i = tl.minimum(tl.maximum(f.to(tl.int32), 0), CELLS - 1)
+        n = tl.load(n_ptr + i).to(tl.int32)
         tp = t_ptr + 2  # tp[i] = t_{i-1}, tp[0] = -inf, tp[NB + 1] = +inf
         return n - 1 + (tl.load(tp + n) < v).to(tl.int32) + (tl.load(tp + n + 1) < v).to(tl.int32)
 

@@ -144,9 +144,13 @@ def minmax_encode(
         )
     if scale.numel():  # one reduction; read now (a host sync) or by the caller with its other checks (`defer`)
         bad = ~(torch.isfinite(scale).all() & torch.isfinite(offset).all())
-        check_or_defer(bad, lambda: (
-            f"{where}: group scale/offset overflow {meta_dtype} (largest |value| {float(x.float().abs().max()):.4g}); "
-            f"use meta=fp32 for inputs beyond the fp16 range"), defer, CodecError)
+        what = f"{where}: group scale/offset overflow {meta_dtype}"
+        hint = "use meta=fp32 for inputs beyond the fp16 range"
+        if defer is None:
+            check_or_defer(bad, lambda: f"{what} (largest |value| {float(x.float().abs().max()):.4g}); {hint}", defer,
+                           CodecError)
+        else:  # a deferred message must not keep x (a unit's K or V) alive until the caller reads the flags
+            check_or_defer(bad, lambda: f"{what}; {hint}", defer, CodecError)
     return {"codes": codes, "scale": scale, "offset": offset}
 
 

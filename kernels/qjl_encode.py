@@ -63,6 +63,5 @@ def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
             D=D, M=m, MB=min(128, m & -m), BT=bt, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
         )
     where = f"codec {codec.config} (layer {codec.layer})"
-    return Encoded(
-        str(codec.config), tuple(x.shape), x.dtype, {"signs": signs, "norm": store_norm(norm, codec.norm_bits, where)}
-    )
+    tensors = {"signs": signs, "norm": store_norm(norm, codec.norm_bits, where, defer)}
+    return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

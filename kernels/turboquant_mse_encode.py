@@ -106,5 +106,5 @@ def encode(
         tensors["idx"] = idx
     if hi:
         tensors["idx_hi"] = idx_hi
-    tensors["norm"] = store_norm(norm, codec.norm_bits, f"codec {codec.config} (layer {codec.layer})")
+    tensors["norm"] = store_norm(norm, codec.norm_bits, f"codec {codec.config} (layer {codec.layer})", defer)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -129,13 +129,16 @@ def gather(
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_out(cls: type) -> bool:
-    """Whether a codec class's `decode` takes `out=` (every codec here does; one registered from elsewhere may not)."""
-    return "out" in inspect.signature(cls.decode).parameters
+def _takes_out(fn: Callable) -> bool:
+    """Whether a decode function takes `out=` (every codec here does; one registered from elsewhere, or a wrapper
+    set on an instance, may not)."""
+    params = inspect.signature(fn).parameters
+    return "out" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _decode_into(codec: Codec, enc: Encoded, dtype: torch.dtype, out: torch.Tensor) -> None:
-    if _takes_out(type(codec)):
+    decode = codec.decode
+    if _takes_out(getattr(decode, "__func__", decode)):
         codec.decode(enc, dtype=dtype, out=out)
     else:
         out.copy_(codec.decode(enc, dtype=dtype))

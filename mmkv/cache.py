@@ -399,8 +399,9 @@ class KVStore:
         #    read together, in one host sync for the whole append, when the Triton encoders run; otherwise at once.
         staged = []
         groups = self._groups(leaving)
-        deferred = self._on_kernels(layer, k.device, "encode") and bool(leaving)
-        nonfinite = self._nonfinite(leaving, natives, new)
+        encoding = [u for group in groups for u in group]  # a span codec may keep a short leftover native
+        deferred = self._on_kernels(layer, k.device, "encode") and bool(encoding)
+        nonfinite = self._nonfinite(encoding, natives, new)
         finite = nonfinite is None or (not deferred and not bool(nonfinite))
         checks: list[tuple[list[int], torch.Tensor, Any]] = []
         for group in groups:
@@ -408,21 +409,18 @@ class KVStore:
             try:
                 staged.append(self._encode(layer, group, natives, new, finite or deferred, defer))
             except CodecError as err:
+                if deferred and nonfinite is not None and bool(nonfinite):
+                    self._refuse_nonfinite(where, layer, groups, natives, new)
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
             checks += [(group, bad, message) for bad, message in defer or []]
         if deferred and nonfinite is not None:
             flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks]).tolist()
-            if flags[0]:  # encode again with the codecs' own scans: the first to meet the NaN/Inf names it
-                for group in groups:
-                    try:
-                        self._encode(layer, group, natives, new, False, None)
-                    except CodecError as err:
-                        raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}"
-                                           ) from err
-                raise KVCacheError(f"{where}: units {leaving} hold NaN/Inf values; nothing was stored")
+            if flags[0]:
+                self._refuse_nonfinite(where, layer, groups, natives, new)
             for (group, _, message), bad in zip(checks, flags[1:]):
                 if bad:
                     raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {message()}")
+            del checks  # their messages may hold tensors of the encodes
 
         # 3. Commit: evict, swap encoded segments in for their native sources, add the rest of the new units
         #    natively (a copy: a view would pin the caller's whole block).
@@ -498,6 +496,17 @@ class KVStore:
         if not tensors or tensors[0].device.type == "meta":
             return None
         return ~torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+    def _refuse_nonfinite(self, where: str, layer: int, groups: list[list[int]], natives: dict[int, _Seg],
+                          new: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The store's NaN/Inf flag is set: encode again with the codecs' own scans, so that the first to meet the
+        NaN/Inf names it (codec, layer, count); nothing is stored either way."""
+        for group in groups:
+            try:
+                self._encode(layer, group, natives, new, False, None)
+            except CodecError as err:
+                raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
+        raise KVCacheError(f"{where}: units {[u for g in groups for u in g]} hold NaN/Inf values; nothing was stored")
 
     def _on_kernels(self, layer: int, device: torch.device, op: str) -> bool:
         """Whether this layer's codecs run Triton kernels for `op` on `device` (decided once per layer, device and op:

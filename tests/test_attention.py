@@ -208,3 +208,22 @@ def test_gather_copies_for_a_codec_whose_decode_takes_no_out():
     enc = codec.encode(x)
     k, v = gather([Segment(k_enc=enc, v_enc=enc, k_codec=Plain(codec), v_codec=Plain(codec))], x, x, torch.float32)
     assert torch.equal(k[..., :5, :], codec.decode(enc, torch.float32)) and torch.equal(k[..., 5:, :], x)
+
+
+def test_gather_copies_for_a_decode_wrapper_without_out_set_on_an_instance():
+    from mmkv.attention import Segment, gather
+    from mmkv.codecs import build
+
+    codec = build("groupquant:bits=4,group=16", head_dim=32, num_heads=2)
+    x = torch.randn(1, 2, 5, 32, generator=torch.Generator().manual_seed(4))
+    enc = codec.encode(x)
+    calls = []
+    original = codec.decode
+
+    def counting(enc, dtype=None, _orig=original):
+        calls.append(1)
+        return _orig(enc, dtype)
+
+    codec.decode = counting
+    k, _ = gather([Segment(k_enc=enc, v_enc=enc, k_codec=codec, v_codec=codec)], None, None, torch.float32)
+    assert len(calls) == 2 and torch.equal(k, original(enc, torch.float32))

@@ -338,3 +338,39 @@ def test_store_reads_encoder_checks_once_per_append(kernels_on_cpu, monkeypatch)
     assert (s.nbytes(), s.encoded_units(0)) == before
     s.append(0, x(), x(), num_units=3, first_unit=3)  # the rollout goes on
     assert s.encoded_units(0) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("preset,bad", [("octopus:b=2", float("nan")), ("turboquant-mse:b=4", float("nan")),
+                                        ("turboquant-mse:b=2,norm=16", float("inf")), ("qjl:bits=2,norm=16", float("inf")),
+                                        ("polarquant:b=2", float("nan"))])
+def test_store_refuses_nan_inf_through_the_kernels_by_name(kernels_on_cpu, preset, bad):
+    """The deferred path lets NaN/Inf reach the encoders (memory-safe: `search` clamps its index as an integer) and
+    then refuses the append by the codec's own message, leaving the store as it was."""
+    from mmkv.cache import CacheConfig, KVCacheError, KVStore
+
+    s = KVStore(CacheConfig(codec=preset, residual_window=1), num_layers=1, num_heads=2, head_dim=32)
+    g = torch.Generator().manual_seed(6)
+    s.append(0, torch.randn(1, 2, 16, 32, generator=g), torch.randn(1, 2, 16, 32, generator=g), num_units=2)
+    before = (s.nbytes(), s.encoded_units(0))
+    k = torch.randn(1, 2, 16, 32, generator=g)
+    k[0, 0, 3, 3] = bad  # unit 2, which leaves the window now (unit 3 stays native)
+    with pytest.raises(KVCacheError, match=r"nothing was stored: .*NaN/Inf"):
+        s.append(0, k, torch.randn(1, 2, 16, 32, generator=g), num_units=2)
+    assert (s.nbytes(), s.encoded_units(0)) == before
+
+
+def test_span_leftover_with_nan_is_not_scanned_before_it_is_encoded(kernels_on_cpu):
+    """QVG with span_units=3 keeps a short leftover native: a NaN there is refused when its span is encoded, as on
+    the reference path, not by the append that leaves it native."""
+    from mmkv.cache import CacheConfig, KVCacheError, KVStore
+
+    s = KVStore(CacheConfig(codec="qvg:bits=2,centroids=2,block=16,span_units=3", residual_window=0), num_layers=1,
+                num_heads=2, head_dim=32)
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(1, 2, 16, 32, generator=g)
+    k[0, 1, 10, 2] = float("nan")  # unit 1 of this append
+    s.append(0, k, torch.randn(1, 2, 16, 32, generator=g), num_units=2)  # 2 < 3 units: nothing encoded yet
+    assert s.encoded_units(0) == []
+    with pytest.raises(KVCacheError, match=r"encoding units \[0, 1, 2\] failed; nothing was stored: .*NaN/Inf"):
+        s.append(0, torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))

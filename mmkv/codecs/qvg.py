@@ -258,6 +258,15 @@ class QVGCodec(Codec):
     def _encode(self, x: torch.Tensor) -> Encoded:
         return self.encode_with(x, assign_reference, self._quantize_reference)
 
+    def _init_indices(self, stage: int, problems: int, tokens: int, device: torch.device) -> torch.Tensor:
+        """`init_indices` on `device`, kept per shape: the same every encode (the generator is reseeded), and a
+        fresh copy from host memory on each encode would be a blocking transfer (a host sync on CUDA)."""
+        cache = self.__dict__.setdefault("_init_cache", {})
+        key = (stage, problems, tokens, str(device))
+        if key not in cache:
+            cache[key] = init_indices(self.seed, self.layer, stage, problems, tokens, self.centroids).to(device)
+        return cache[key]
+
     def encode_with(self, x: torch.Tensor, assign: Callable, quantize: Callable) -> Encoded:
         """The encode pipeline with pluggable assignment and final subtract+quantise+pack (the Triton kernels)."""
         *lead, n, d = x.shape
@@ -267,7 +276,7 @@ class QVGCodec(Codec):
         residual = x.detach().reshape(problems, n, d).to(work_dtype(x.dtype)).contiguous()
         ids_all, cents_all, iters = [], [], []
         for stage in range(self.stages):
-            idx = init_indices(self.seed, self.layer, stage, problems, n, self.centroids).to(x.device)
+            idx = self._init_indices(stage, problems, n, x.device)
             init = torch.gather(residual, 1, idx.unsqueeze(-1).expand(problems, self.centroids, d))
             ids, cents, it = kmeans(residual, init.to(torch.bfloat16), self.iters, self.tol, assign)
             ids_all.append(ids)

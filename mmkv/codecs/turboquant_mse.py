@@ -107,13 +107,21 @@ _NORM_DTYPES = {32: torch.float32, 16: torch.float16}
 _FP16_MAX = 65504.0
 
 
-def store_norm(norm: torch.Tensor, bits: int, where: str) -> torch.Tensor:
-    """Norms in the stored dtype (fp32, or fp16 after checking they fit: codecs.md A2, never bf16)."""
-    if bits == 16 and norm.numel() and float(norm.max()) > _FP16_MAX:
-        raise CodecError(
-            f"{where}: a vector norm of {float(norm.max()):.4g} does not fit an fp16 norm (max {_FP16_MAX}); "
-            "use norm=32"
-        )
+def store_norm(norm: torch.Tensor, bits: int, where: str, defer: list | None = None) -> torch.Tensor:
+    """Norms in the stored dtype (fp32, or fp16 after checking they fit: codecs.md A2, never bf16). The check is a
+    host sync; with `defer` (a list) it is appended as (bad flag, message) for the caller to read later."""
+    if bits == 16 and norm.numel():
+        big = norm.max()
+
+        def message() -> str:
+            return (f"{where}: a vector norm of {float(big):.4g} does not fit an fp16 norm (max {_FP16_MAX}); "
+                    "use norm=32")
+
+        bad = ~(big <= _FP16_MAX)  # NaN counts as bad
+        if defer is not None:
+            defer.append((bad, message))
+        elif bool(bad):
+            raise CodecError(message())
     return norm.to(_NORM_DTYPES[bits]).contiguous()
 
 
