@@ -38,3 +38,19 @@ def test_refuses_without_cuda(capsys):
         pytest.skip("has CUDA")
     assert main(["bench", "video", "--frames", "3"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_profile_summary_counts_kernels_launches_and_syncs():
+    from types import SimpleNamespace as E
+
+    cuda, cpu = "DeviceType.CUDA", "DeviceType.CPU"
+    events = [
+        E(key="sdpa_kernel", count=10, device_type=cuda, self_device_time_total=2_000_000.0),
+        E(key="_octopus_decode_kernel", count=40, device_type=cuda, self_device_time_total=500_000.0),
+        E(key="cudaLaunchKernel", count=30, device_type=cpu, self_device_time_total=0.0),
+        E(key="cuLaunchKernelEx", count=40, device_type=cpu, self_device_time_total=0.0),
+        E(key="cudaStreamSynchronize", count=7, device_type=cpu, self_device_time_total=0.0),
+    ]
+    s = video.profile_summary(events)
+    assert s["gpu_kernel_s"] == 2.5 and s["launches"] == 70 and s["triton_launches"] == 40 and s["host_syncs"] == 7
+    assert list(s["top_kernels_ms"]) == ["sdpa_kernel", "_octopus_decode_kernel"]

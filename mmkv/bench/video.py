@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encode unit by unit (CacheConfig.merge_units=False), to time what merging saves")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec and frame count; the median is reported (default 3)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run one rollout per codec (largest frame count) under torch.profiler and report GPU "
+                             "kernel seconds, kernel launches and host syncs next to the wall time")
     parser.add_argument("--json", type=Path, help="write the rows here")
 
 
@@ -105,6 +108,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
                       f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
                 del res
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    wall = one(codec, frame_counts[-1])["seconds"]
+                rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages())}
+                print(f"  profiled: {rows[-1]['profile']}", flush=True)
         except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
             if codec is None:
                 raise
@@ -119,6 +129,26 @@ def run(args: argparse.Namespace) -> int:
 
         atomic_write_json(args.json, rows)
     return 0
+
+
+def profile_summary(events) -> dict:
+    """What a profiled rollout spent, from `torch.profiler` key averages: GPU kernel seconds, kernel launches (all,
+    and Triton's `cuLaunchKernelEx`), host synchronisations (stream/device/event syncs) and the top kernels."""
+    def device_time(e) -> float:
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    count = {k: sum(e.count for e in events if e.key == k) for k in
+             ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaStreamSynchronize",
+              "cudaDeviceSynchronize", "cudaEventSynchronize")}
+    top = sorted(kernels, key=device_time, reverse=True)[:5]
+    return {
+        "gpu_kernel_s": round(sum(device_time(e) for e in kernels) / 1e6, 3),
+        "launches": count["cudaLaunchKernel"] + count["cuLaunchKernelEx"] + count["cudaLaunchKernelExC"],
+        "triton_launches": count["cuLaunchKernelEx"],
+        "host_syncs": count["cudaStreamSynchronize"] + count["cudaDeviceSynchronize"] + count["cudaEventSynchronize"],
+        "top_kernels_ms": {e.key[:60]: round(device_time(e) / 1e3, 1) for e in top},
+    }
 
 
 def _frames(text: str) -> list[int]:
