@@ -62,16 +62,6 @@ def decode_out(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return out, rs
 
 
-def check_or_defer(bad: torch.Tensor, message: Callable[[], str], defer: list | None, error: type) -> None:
-    """A validity check whose answer lives on the device: `bad` is a 0-d bool tensor. Without `defer`, read it now (a
-    host sync) and raise `error(message())` if it is set; with `defer` (a list the caller reads once, for many
-    encodes: `mmkv.cache.KVStore.append`), append (bad, message) instead."""
-    if defer is not None:
-        defer.append((bad, message))
-    elif bool(bad):
-        raise error(message())
-
-
 def head_count(codec) -> int:
     """Heads whose per-head state (rotation signs) alternates over rows: dim -3 is the KV-head axis when > 1."""
     return codec.num_heads if codec.num_heads > 1 else 1

@@ -6,7 +6,7 @@ Protocol (what `Codec.encode/decode` call when the input is on CUDA):
                                          kernel's device; returns the complete bundle (codec string, shape, dtype,
                                          tensors, meta) that the reference `codec.encode(x)` returns. Checks of
                                          the result that need a host sync go to `defer` when it is a list
-                                         (`mmkv.kernels.common.check_or_defer`).
+                                         (`mmkv.codecs.base.check_or_defer`).
   decode: fn(codec, enc, dtype, *, out=None) -> Tensor
                                          enc already checked against the codec; returns [..., T, D] in `dtype`,
                                          written into `out` when given (rows evenly strided, unit channel

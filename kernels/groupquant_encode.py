@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.codecs.base import CodecError, Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, check_or_defer, rint, rows_of, token_block
+from mmkv.codecs.base import Encoded, check_or_defer
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht_lanes
 
@@ -147,10 +147,9 @@ def minmax_encode(
         what = f"{where}: group scale/offset overflow {meta_dtype}"
         hint = "use meta=fp32 for inputs beyond the fp16 range"
         if defer is None:
-            check_or_defer(bad, lambda: f"{what} (largest |value| {float(x.float().abs().max()):.4g}); {hint}", defer,
-                           CodecError)
+            check_or_defer(bad, lambda: f"{what} (largest |value| {float(x.float().abs().max()):.4g}); {hint}", defer)
         else:  # a deferred message must not keep x (a unit's K or V) alive until the caller reads the flags
-            check_or_defer(bad, lambda: f"{what}; {hint}", defer, CodecError)
+            check_or_defer(bad, lambda: f"{what}; {hint}", defer)
     return {"codes": codes, "scale": scale, "offset": offset}
 
 

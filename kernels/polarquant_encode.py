@@ -19,11 +19,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mmkv.codecs.base import CodecError, Encoded
+from mmkv.codecs.base import Encoded, check_or_defer
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
-    INTERPRET, LAUNCH, ROWS_WARPS, check_or_defer, device_tables, load_rows, rows_of, search, search_table,
-    token_block, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_plane
 from mmkv.kernels.rotation import fwht
@@ -153,6 +152,6 @@ def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     if r16.numel():
         check_or_defer(~torch.isfinite(r16).all(), lambda: (
             f"codec {codec.config} (layer {codec.layer}): a block radius exceeds the fp16 range "
-            f"(max {float(radius.max()):.4g}); PolarQuant stores fp16 radii"), defer, CodecError)
+            f"(max {float(radius.max()):.4g}); PolarQuant stores fp16 radii"), defer)
     tensors["radius"] = r16.contiguous()
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -330,7 +330,7 @@ class KVStore:
     def reset(self) -> None:
         """Start a new rollout: drop every unit and reset all statistics (codec instances are kept: same seed)."""
         self._layers = [_Layer() for _ in range(self.num_layers)]
-        self._direct: dict[tuple[int, str, str], bool] = {}
+        self._on_kernels_cache: dict[tuple[int, str, str], bool] = {}
         self._held = 0
         self._peak = 0
         self._scratch_peak = 0
@@ -402,12 +402,13 @@ class KVStore:
         encoding = [u for group in groups for u in group]  # a span codec may keep a short leftover native
         deferred = self._on_kernels(layer, k.device, "encode") and bool(encoding)
         nonfinite = self._nonfinite(encoding, natives, new)
-        finite = nonfinite is None or (not deferred and not bool(nonfinite))
+        # deferred: the flag is read after the encodes; otherwise now (a NaN/Inf lets the codecs' own scans name it)
+        assume_finite = deferred or nonfinite is None or not bool(nonfinite)
         checks: list[tuple[list[int], torch.Tensor, Any]] = []
         for group in groups:
             defer: list | None = [] if deferred else None
             try:
-                staged.append(self._encode(layer, group, natives, new, finite or deferred, defer))
+                staged.append(self._encode(layer, group, natives, new, assume_finite, defer))
             except CodecError as err:
                 if deferred and nonfinite is not None and bool(nonfinite):
                     self._refuse_nonfinite(where, layer, groups, natives, new)
@@ -513,10 +514,10 @@ class KVStore:
         it is asked on every attention call). Encoders: they take NaN/Inf without failing, so their checks and the
         store's NaN scan can be read after them, together. Decoders: they write into the gather buffer."""
         key = (layer, str(device), op)
-        if key not in self._direct:
-            self._direct[key] = all(_kernel(c, op, device) is not None
+        if key not in self._on_kernels_cache:
+            self._on_kernels_cache[key] = all(_kernel(c, op, device) is not None
                                     for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
-        return self._direct[key]
+        return self._on_kernels_cache[key]
 
     def _encode(
         self,
@@ -613,7 +614,8 @@ class KVStore:
         joined = _Seg(segs[0].first_unit, tuple(t for s in segs for t in s.unit_tokens), k_enc=k_enc, v_enc=v_enc)
         old = sum(s.nbytes for s in segs)
         if joined.nbytes != old:  # concat_tokens only joins exact layouts; anything else is a bug
-            raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes ({old} -> {joined.nbytes})")
+            raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes "
+                               f"({old} -> {joined.nbytes})")
         self._scratch_peak = max(self._scratch_peak, old)
         st.segs[idx[0] : idx[-1] + 1] = [joined]
 

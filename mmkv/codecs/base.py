@@ -15,7 +15,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -271,6 +271,16 @@ def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
     tensors = {k: torch.cat([e.tensors[k] for e in encs], dim=layout[k][0]) for k in first.tensors}
     shape = (*first.shape[:-2], sum(e.shape[-2] for e in encs), first.shape[-1])
     return Encoded(first.codec, shape, first.dtype, tensors, dict(first.meta))
+
+
+def check_or_defer(bad: torch.Tensor, message: Callable[[], str], defer: list | None) -> None:
+    """A validity check whose answer lives on the device: `bad` is a 0-d bool tensor. Without `defer`, read it now (a
+    host sync) and raise `CodecError(message())` if it is set; with `defer` (a list the caller reads once, for many
+    encodes: `mmkv.cache.KVStore.append`), append (bad, message) instead."""
+    if defer is not None:
+        defer.append((bad, message))
+    elif bool(bad):
+        raise CodecError(message())
 
 
 def check_out(codec: "Codec", enc: Encoded, dtype: torch.dtype, out: torch.Tensor) -> None:

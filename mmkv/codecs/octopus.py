@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecError, Encoded, derive_seed, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, derive_seed, register
 from mmkv.codecs.lloyd import lloyd_max
 from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
@@ -232,18 +232,14 @@ class OctopusCodec(Codec):
 
     def _store_gamma(self, gamma: torch.Tensor, defer: list | None = None) -> torch.Tensor:
         """Norms as stored: fp32, or fp16 after checking they fit (read now, or added to `defer`, see
-        `mmkv.kernels.common.check_or_defer`)."""
+        `mmkv.codecs.base.check_or_defer`)."""
         if self.norm_bits == 32:
             return gamma.float()
         if gamma.numel():
             def message() -> str:
                 return f"codec {self.config}: key norm {float(gamma.max()):g} overflows the fp16 gamma; use norm=32"
 
-            bad = gamma.max() > 65504.0
-            if defer is not None:
-                defer.append((bad, message))
-            elif bool(bad):
-                raise CodecError(message())
+            check_or_defer(gamma.max() > 65504.0, message, defer)
         return gamma.half()
 
     # -- protocol ----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecError, Encoded, private_generator, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, private_generator, register
 from mmkv.codecs.lloyd import lloyd_max_pdf
 from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
@@ -117,11 +117,7 @@ def store_norm(norm: torch.Tensor, bits: int, where: str, defer: list | None = N
             return (f"{where}: a vector norm of {float(big):.4g} does not fit an fp16 norm (max {_FP16_MAX}); "
                     "use norm=32")
 
-        bad = ~(big <= _FP16_MAX)  # NaN counts as bad
-        if defer is not None:
-            defer.append((bad, message))
-        elif bool(bad):
-            raise CodecError(message())
+        check_or_defer(~(big <= _FP16_MAX), message, defer)  # NaN counts as bad
     return norm.to(_NORM_DTYPES[bits]).contiguous()
 
 
