@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmkv.codecs.base import to_device_shared
+
 # Query rows above which the fused path loses to decode + flash attention (one program per row re-dequantises the
 # tile for each row; flash attention is compute-bound at video chunk sizes, ecosystem.md D4).
 MAX_FUSED_QUERIES = 4
@@ -333,7 +335,8 @@ def rotation_matrix(codec, which: str, device: torch.device) -> torch.Tensor:
         d, h = codec.head_dim, codec.num_heads
         eye = torch.eye(d, dtype=torch.float32)
         eye = eye.expand(h, d, d).contiguous() if h > 1 else eye
-        cache[key] = getattr(codec, which)(eye).float().to(device).contiguous()
+        m = getattr(codec, which)(eye).float()
+        cache[key] = to_device_shared({"m": m}, torch.device(device), f"rotation:{which}")["m"]
     return cache[key]
 
 

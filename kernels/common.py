@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmkv.codecs.base import to_device_shared  # noqa: F401  (kernels import it from here)
+
 # The interpreter (TRITON_INTERPRET=1, what CI runs on CPU) has no bf16/fp16 matrix product: dot operands go to fp32.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -73,14 +75,13 @@ def vector(dtype: torch.dtype) -> int:
 
 
 _TABLES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-
-
 def device_tables(codec, device: torch.device, key: str, build: Callable[[], dict]) -> dict:
-    """Tensors a kernel reads (signs, boundaries, LUTs, matrices), built once per (codec instance, device, key)."""
+    """Tensors a kernel reads (signs, boundaries, LUTs, matrices), built once per (codec instance, device, key), and
+    copied to the device once per distinct content (`to_device_shared`)."""
     per = _TABLES.setdefault(codec, {})
     k = (str(device), key)
     if k not in per:
-        per[k] = {name: t.to(device).contiguous() for name, t in build().items()}
+        per[k] = to_device_shared(build(), device, key)
     return per[k]
 
 

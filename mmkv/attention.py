@@ -51,6 +51,11 @@ class Segment:
 
     `skip_tokens` leading tokens of an encoded span are no longer visible (a rolling window evicted their units but the
     span still holds them, qvg.md §4.1); they are decoded and dropped.
+
+    `stack` > 1: the encodings of `stack` equal-length units stacked on a new axis after the batch axis, shape
+    [B, stack, H, T_unit, D] (how the store joins the units of codecs that group over tokens, KIVI / OScaR keys, so
+    that one decode call covers them: the units are independent rows to the codec). They stand for the tokens
+    [B, H, stack * T_unit, D] in unit order.
     """
 
     k: torch.Tensor | None = None  # [B, H, T, D] native
@@ -60,6 +65,7 @@ class Segment:
     k_codec: Codec | None = None
     v_codec: Codec | None = None
     skip_tokens: int = 0
+    stack: int = 1
 
     @property
     def encoded(self) -> bool:
@@ -69,18 +75,50 @@ class Segment:
     def num_tokens(self) -> int:
         """Visible tokens."""
         if self.encoded:
-            return self.k_enc.shape[-2] - self.skip_tokens
+            return self.stack * self.k_enc.shape[-2] - self.skip_tokens
         return self.k.shape[-2]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """[B, H, T, D] of the tokens this segment holds (evicted ones included)."""
+        if not self.encoded:
+            return tuple(self.k.shape)
+        if self.stack == 1:
+            return tuple(self.k_enc.shape)
+        b, n, h, t, d = self.k_enc.shape
+        return (b, h, n * t, d)
+
+    def unstacked(self) -> list["Segment"]:
+        """One segment per unit of a stacked segment (views of its tensors; contiguous copies when B > 1), for the
+        paths that attend segment by segment (fused kernels, score estimators)."""
+        if self.stack == 1:
+            return [self]
+
+        def pick(enc: Encoded, i: int) -> Encoded:
+            tensors = {name: t.select(1, i).contiguous() for name, t in enc.tensors.items()}
+            shape = (enc.shape[0], *enc.shape[2:])
+            return Encoded(enc.codec, shape, enc.dtype, tensors, dict(enc.meta))
+
+        return [Segment(k_enc=pick(self.k_enc, i), v_enc=pick(self.v_enc, i), k_codec=self.k_codec,
+                        v_codec=self.v_codec) for i in range(self.stack)]
 
     def decode(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the visible tokens in `dtype` (native segments are returned as stored when the dtype matches)."""
         if not self.encoded:
             return self.k.to(dtype), self.v.to(dtype)
-        k = self.k_codec.decode(self.k_enc, dtype=dtype)
-        v = self.v_codec.decode(self.v_enc, dtype=dtype)
+        k = _unstack(self.k_codec.decode(self.k_enc, dtype=dtype), self.stack)
+        v = _unstack(self.v_codec.decode(self.v_enc, dtype=dtype), self.stack)
         if self.skip_tokens:
             k, v = k[..., self.skip_tokens :, :], v[..., self.skip_tokens :, :]
         return k, v
+
+
+def _unstack(x: torch.Tensor, stack: int) -> torch.Tensor:
+    """[B, n, H, T, D] -> [B, H, n * T, D] (units in order); unchanged when stack == 1."""
+    if stack == 1:
+        return x
+    b, n, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, h, n * t, d)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,7 +146,7 @@ def gather(
     if not parts:
         raise AttentionError("nothing to attend: no stored segments and no current block")
     ref = parts[0].k if not parts[0].encoded else None
-    shape = _segment_shape(parts[0])
+    shape = parts[0].shape
     total = sum(p.num_tokens for p in parts)
     device = ref.device if ref is not None else parts[0].k_enc.device
     k_out = torch.empty(*shape[:-2], total, shape[-1], dtype=dtype, device=device)
@@ -117,7 +155,12 @@ def gather(
     for part in parts:
         n = part.num_tokens
         k_dst, v_dst = k_out[..., start : start + n, :], v_out[..., start : start + n, :]
-        if part.encoded and not part.skip_tokens:
+        if part.encoded and part.stack > 1 and not part.skip_tokens:
+            # one decode call for all the stacked units, then one copy into token order
+            for codec, enc, dst in ((part.k_codec, part.k_enc, k_dst), (part.v_codec, part.v_enc, v_dst)):
+                b, units, h, t, d = enc.shape
+                dst.view(b, h, units, t, d).copy_(codec.decode(enc, dtype=dtype).transpose(1, 2))
+        elif part.encoded and not part.skip_tokens:
             _decode_into(part.k_codec, part.k_enc, dtype, k_dst)
             _decode_into(part.v_codec, part.v_enc, dtype, v_dst)
         else:  # native, or a span with evicted leading units: decode whole, copy the visible tokens
@@ -142,10 +185,6 @@ def _decode_into(codec: Codec, enc: Encoded, dtype: torch.dtype, out: torch.Tens
         codec.decode(enc, dtype=dtype, out=out)
     else:
         out.copy_(codec.decode(enc, dtype=dtype))
-
-
-def _segment_shape(seg: Segment) -> tuple[int, ...]:
-    return tuple(seg.k_enc.shape) if seg.encoded else tuple(seg.k.shape)
 
 
 def attention_lse(
@@ -270,7 +309,7 @@ def _attend_split(
         # merge as we go, so one running output is held instead of one per segment
         return part if acc is None else merge_lse([acc, part])
 
-    encoded = [s for s in segments if s.encoded]
+    encoded = [u for s in segments if s.encoded for u in s.unstacked()]
     if kernel is not None:
         out, lse = kernel(q, encoded, scale)
         acc = fold((out.float(), lse.float()))

@@ -26,13 +26,13 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from mmkv import attention
 from mmkv.codecs.base import (
-    FLOAT_DTYPES, Codec, CodecConfig, CodecError, Encoded, _kernel, build, concat_tokens, kv_configs,
+    FLOAT_DTYPES, Codec, CodecConfig, CodecError, Encoded, _kernel, build, concat_tokens, kv_configs, stack_units,
 )
 
 
@@ -86,6 +86,9 @@ def _codec_state_nbytes(codecs: list[Codec]) -> int:
 # Config
 
 
+CHECKS = ("auto", "eager", "lagged")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How a rollout's KV cache is stored.
@@ -114,7 +117,16 @@ class CacheConfig:
                       fewer encode calls. When attention reads the layer, its encoded segments are also joined into
                       one (the same bytes, concatenated; skipped where a packed row would not end on a byte), so the
                       whole encoded past is decoded in one call per K and V. Codecs that group over tokens (KIVI /
-                      OScaR keys) and rolling windows (which evict unit by unit) always encode unit by unit.
+                      OScaR keys) encode unit by unit, and their encoded units are stacked on a new axis instead
+                      (the same bytes; decoded in one call per K and V, then copied into token order). Rolling
+                      windows (which evict unit by unit) always encode, hold and decode unit by unit.
+    checks:           when the device-side checks of an append (NaN/Inf in the units being encoded, side information
+                      overflowing fp16) are read, on the Triton path. "eager": before the append commits (one host
+                      sync per append; a failing append stores nothing). "lagged": copied to the host asynchronously
+                      and read at a later store call once the GPU has passed them (no sync); a failure then raises
+                      there, naming the layer, units and problem, and the rollout's cache is invalid until
+                      `reset()`; `check()`, `stats()` and leaving `attach` read every pending check. "auto"
+                      (default): lagged on CUDA, eager elsewhere. The torch reference path always checks eagerly.
     """
 
     codec: str | CodecConfig | None = None
@@ -128,6 +140,7 @@ class CacheConfig:
     attention: str = "auto"
     reuse_decoded: bool = False
     merge_units: bool = True
+    checks: str = "auto"
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str, value: Any) -> None:
@@ -160,6 +173,7 @@ class CacheConfig:
             self.sink_units,
         )
         need(self.attention in attention.BACKENDS, f"attention must be one of {attention.BACKENDS}", self.attention)
+        need(self.checks in CHECKS, f"checks must be one of {CHECKS}", self.checks)
         layers = self.protected_layers
         if layers is None or isinstance(layers, (int, str)):
             raise KVCacheError(f"CacheConfig: protected_layers must be a sequence of ints, got {layers!r}")
@@ -198,6 +212,7 @@ class CacheConfig:
             "sink_units": self.sink_units,
             "reuse_decoded": self.reuse_decoded,
             "merge_units": self.merge_units,
+            "checks": self.checks,
             "attention": self.attention,
         }
 
@@ -217,6 +232,7 @@ class _Seg:
     k_enc: Encoded | None = None
     v_enc: Encoded | None = None
     skip_units: int = 0  # leading units evicted by the rolling window while the rest of the span is live
+    stack: int = 1  # > 1: k_enc / v_enc are `stack` equal units stacked [B, stack, H, T, D] (`stack_units`)
     decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # whole-span decode kept by `reuse_decoded`
 
     @property
@@ -262,6 +278,17 @@ class _Layer:
     k_encoded_nbytes: int = 0  # bytes of encoded K / V currently held, and the elements they stand for
     v_encoded_nbytes: int = 0
     encoded_numel: int = 0  # elements of K held encoded (V has as many)
+
+
+@dataclass
+class _Pending:
+    """The device-side checks of one append, read later (CacheConfig.checks = "lagged")."""
+
+    layer: int
+    units: list[int]
+    flags: torch.Tensor  # host copy (pinned on CUDA): [store NaN/Inf flag, encoder checks...]
+    event: Any  # torch.cuda.Event recorded after the copy, or None (CPU: ready at once)
+    messages: list[tuple[list[int], Callable[[], str]]]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -313,6 +340,10 @@ class KVStore:
         scored = config.attention != "decode" and any(c.has_scores for c in codecs)
         self.merge = (config.merge_units and config.attention_window is None and not self.span and bool(codecs)
                       and all(c.token_local for c in codecs) and not scored)
+        # Codecs that group over tokens (KIVI / OScaR keys) encode unit by unit; with every codec stackable, attention
+        # stacks a layer's equal encoded units instead and decodes them in one call per K and V.
+        self.stack = (config.merge_units and config.attention_window is None and not self.span and bool(codecs)
+                      and not self.merge and all(c.stackable or c.token_local for c in codecs) and not scored)
         if self.span_units is not None and (not _is_int(self.span_units) or self.span_units < 1):
             raise KVCacheError(f"KVStore: codec span_units must be a positive int, got {self.span_units!r}")
         self.reset()
@@ -335,6 +366,8 @@ class KVStore:
         self._peak = 0
         self._scratch_peak = 0
         self._decoded_peak = 0
+        self._pending: list[_Pending] = []  # lagged checks not read yet, oldest first
+        self._invalid: str | None = None  # a lagged check failed: the message every later call raises
 
     @property
     def is_native(self) -> bool:
@@ -366,6 +399,7 @@ class KVStore:
         layer = self._check_layer(layer)
         st = self._layers[layer]
         where = f"KVStore.append(layer={layer})"
+        self._poll()
         self._check_kv(st, k, v, where, "k", "v")
         if not _is_int(num_units) or num_units < 1:
             raise KVCacheError(f"{where}: num_units must be a positive int, got {num_units!r}")
@@ -414,7 +448,10 @@ class KVStore:
                     self._refuse_nonfinite(where, layer, groups, natives, new)
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
             checks += [(group, bad, message) for bad, message in defer or []]
-        if deferred and nonfinite is not None:
+        if deferred and nonfinite is not None and self._lagged(k.device):
+            self._defer_checks(layer, encoding, nonfinite, checks)
+            del checks
+        elif deferred and nonfinite is not None:
             flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks]).tolist()
             if flags[0]:
                 self._refuse_nonfinite(where, layer, groups, natives, new)
@@ -519,6 +556,60 @@ class KVStore:
                                     for c in (self._k_codecs[layer], self._v_codecs[layer]) if c is not None)
         return self._on_kernels_cache[key]
 
+    # -- lagged checks (CacheConfig.checks) ----------------------------------------------------------------------
+    def _lagged(self, device: torch.device) -> bool:
+        mode = self.config.checks
+        return mode == "lagged" or (mode == "auto" and device.type == "cuda")
+
+    def _defer_checks(self, layer: int, units: list[int], nonfinite: torch.Tensor,
+                      checks: list[tuple[list[int], torch.Tensor, Any]]) -> None:
+        """Queue this append's device-side checks: one flag vector, copied to pinned host memory behind the work that
+        computes it, and an event that says when the copy has landed (no host sync now)."""
+        flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks])
+        event = None
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flags.device))
+        else:
+            host = flags
+        self._pending.append(_Pending(layer, units, host, event, [(group, message) for group, _, message in checks]))
+
+    def _poll(self, block: bool = False) -> None:
+        """Read the lagged checks whose copies have landed (all of them with `block`, waiting for each one's own
+        event, not for the whole device); raise KVCacheError on the first that failed, and on every call after it
+        until `reset()`."""
+        if self._invalid is not None:
+            raise KVCacheError(self._invalid)
+        while self._pending:
+            p = self._pending[0]
+            if p.event is not None:
+                if block:
+                    p.event.synchronize()
+                elif not p.event.query():
+                    return
+            self._pending.pop(0)
+            flags = p.flags.tolist()
+            problem = None
+            if flags[0]:
+                problem = "hold NaN/Inf values"
+            else:
+                problem = next((message() for (_, message), bad in zip(p.messages, flags[1:]) if bad), None)
+            if problem is not None:
+                self._pending.clear()
+                self._invalid = (
+                    f"KVStore (checks={self.config.checks!r}): units {p.units} of layer {p.layer}, encoded at an "
+                    f"earlier append, failed a check read after they were stored: {problem}. This rollout's cache is "
+                    f"invalid: reset() starts a new one (CacheConfig(checks='eager') refuses such an append before "
+                    f"storing anything, at one host sync per append)"
+                )
+                raise KVCacheError(self._invalid)
+
+    def check(self) -> None:
+        """Read every pending lagged check now (waiting for the GPU to reach them); KVCacheError if one failed."""
+        self._poll(block=True)
+
     def _encode(
         self,
         layer: int,
@@ -581,11 +672,12 @@ class KVStore:
         for s in st.segs:
             if s.encoded:
                 skip = sum(s.unit_tokens[: s.skip_units])
-                seg = attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc, skip_tokens=skip)
+                seg = attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc, skip_tokens=skip,
+                                        stack=s.stack)
                 if reuse:
                     if s.decoded is None:
-                        s.decoded = attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc).decode(
-                            st.dtype)
+                        s.decoded = attention.Segment(k_enc=s.k_enc, v_enc=s.v_enc, k_codec=kc, v_codec=vc,
+                                                      stack=s.stack).decode(st.dtype)
                         self._decoded_peak = max(self._decoded_peak, self.decoded_nbytes())
                     seg = attention.Segment(k=s.decoded[0][..., skip:, :], v=s.decoded[1][..., skip:, :])
                 out.append(seg)
@@ -597,9 +689,11 @@ class KVStore:
         """Under `merge_units`, join the layer's encoded segments into one (`concat_tokens`: the same bytes, so the
         same decode), so that attention decodes the whole encoded past in one call per K and V. Done when attention
         first reads a layer after new segments arrived (once per layer and block); skipped when a segment's packed
-        rows do not end on a byte, and under `reuse_decoded` (its decodes are kept per segment). While the tensors
-        are copied the old ones still exist: that transient is counted in `scratch_peak_nbytes`."""
-        if not self.merge or self.config.reuse_decoded:
+        rows do not end on a byte, and under `reuse_decoded` (its decodes are kept per segment). Codecs that group
+        over tokens (KIVI / OScaR keys) are stacked instead (`stack_units`: equal units on a new axis, the same
+        bytes). While the tensors are copied the old ones still exist: that transient is counted in
+        `scratch_peak_nbytes`."""
+        if not (self.merge or self.stack) or self.config.reuse_decoded:
             return
         idx = [i for i, s in enumerate(st.segs) if s.encoded]
         if len(idx) < 2 or idx != list(range(idx[0], idx[-1] + 1)):
@@ -607,11 +701,20 @@ class KVStore:
         segs = [st.segs[i] for i in idx]
         if any(a.end_unit != b.first_unit or a.skip_units or b.skip_units for a, b in zip(segs, segs[1:])):
             return
-        k_enc = concat_tokens(self._k_codecs[layer], [s.k_enc for s in segs])
-        v_enc = concat_tokens(self._v_codecs[layer], [s.v_enc for s in segs]) if k_enc is not None else None
+        stack = 1
+        if self.merge:
+            k_enc = concat_tokens(self._k_codecs[layer], [s.k_enc for s in segs])
+            v_enc = concat_tokens(self._v_codecs[layer], [s.v_enc for s in segs]) if k_enc is not None else None
+        else:
+            k_enc = stack_units([s.k_enc for s in segs])
+            v_enc = stack_units([s.v_enc for s in segs]) if k_enc is not None else None
+            stack = 0 if v_enc is None else k_enc.shape[1]
+            if v_enc is not None and (v_enc.shape[1] != stack or stack != sum(len(s.unit_tokens) for s in segs)):
+                v_enc = None  # a segment of several units (not one unit each) cannot be a stack entry
         if v_enc is None:
             return
-        joined = _Seg(segs[0].first_unit, tuple(t for s in segs for t in s.unit_tokens), k_enc=k_enc, v_enc=v_enc)
+        joined = _Seg(segs[0].first_unit, tuple(t for s in segs for t in s.unit_tokens), k_enc=k_enc, v_enc=v_enc,
+                      stack=stack)
         old = sum(s.nbytes for s in segs)
         if joined.nbytes != old:  # concat_tokens only joins exact layouts; anything else is a bug
             raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes "
@@ -630,6 +733,7 @@ class KVStore:
         """Reference: every stored unit decoded to the store dtype, concatenated: K, V [B, H, Tpast, D]."""
         layer = self._check_layer(layer)
         st = self._layers[layer]
+        self._poll()
         if not st.segs:
             raise KVCacheError(self._empty_message(layer, "KVStore.past"))
         segs = self.segments(layer)
@@ -651,6 +755,7 @@ class KVStore:
         layer = self._check_layer(layer)
         st = self._layers[layer]
         where = f"KVStore.attend(layer={layer})"
+        self._poll()
         if (k_cur is None) != (v_cur is None):
             raise KVCacheError(f"{where}: give both k_cur and v_cur or neither")
         if k_cur is not None:
@@ -676,7 +781,9 @@ class KVStore:
         # decodes a segment (after `_consolidate`, the whole encoded past) into a temporary first.
         direct = self._on_kernels(layer, st.device if st.device is not None else k_cur.device, "decode")
         # a span partly evicted by the rolling window is decoded whole and copied, kernels or not
-        biggest = max((s.k_enc.shape[-2] for s in segs if s.encoded and (s.skip_tokens or not direct)), default=0)
+        # (a stack of units is decoded whole and copied into token order)
+        biggest = max((s.num_tokens + s.skip_tokens for s in segs
+                       if s.encoded and (s.skip_tokens or s.stack > 1 or not direct)), default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
 
     # -- counts and bytes --------------------------------------------------------------------------------------
@@ -725,7 +832,9 @@ class KVStore:
         return self._scratch_peak
 
     def stats(self) -> dict[str, Any]:
-        """Measured facts of the rollout so far: per-layer counts, byte split and effective bits."""
+        """Measured facts of the rollout so far: per-layer counts, byte split and effective bits (after reading
+        every pending lagged check: the figures of an invalid cache are not reported)."""
+        self.check()
         k_enc = sum(st.k_encoded_nbytes for st in self._layers)
         v_enc = sum(st.v_encoded_nbytes for st in self._layers)
         numel = sum(st.encoded_numel for st in self._layers)
@@ -813,6 +922,7 @@ class KVStore:
             for m in targets:
                 m.mmkv_store = self
             yield self
+            self.check()  # a rollout that ends with a failed lagged check must not look finished
         finally:
             for m, old in saved:
                 if old is _absent:

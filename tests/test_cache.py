@@ -580,10 +580,12 @@ def test_one_finiteness_scan_per_append_and_nan_still_named(monkeypatch):
     assert flags[-1] is False  # the scan found it, and the codec's own check named it
 
 
-@pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2", "identity", "kivi:bits=2,group=32"])
+@pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2", "identity", "kivi:bits=2,group=32",
+                                   "oscar:bits=2,group=32"])
 def test_merged_units_decode_bit_identical_to_unit_by_unit(codec):
     """merge_units: a token-local codec encodes the run of units leaving the window in one call, and the past it
-    serves is bit-identical to unit-by-unit encoding; codecs grouping over tokens (KIVI keys) never merge."""
+    serves is bit-identical to unit-by-unit encoding. Codecs grouping over tokens (KIVI / OScaR keys) encode unit by
+    unit, and their encoded units are stacked (`stack_units`) into one segment decoded in one call per K and V."""
     gen = torch.Generator().manual_seed(18)
     unit = 8  # tokens: every packed row of a unit ends on a byte, so the encoded past can also be joined
     blocks = [(rand(gen, 3 * unit), rand(gen, 3 * unit)) for _ in range(4)]
@@ -595,13 +597,16 @@ def test_merged_units_decode_bit_identical_to_unit_by_unit(codec):
                 store.append(layer, k, v, num_units=3)
     merged, single = stores[True], stores[False]
     local = merged.k_codec(0).token_local and merged.v_codec(0).token_local
-    assert local == (codec != "kivi:bits=2,group=32")
+    assert local == (codec.split(":")[0] not in ("kivi", "oscar"))
+    assert merged.stack == (not local) and not single.stack and not merged.merge == (not local)
     for layer in range(L):
         assert merged.encoded_units(layer) == single.encoded_units(layer) == list(range(11))
-        # a run per append, joined into one encoded segment when attention reads them, then the native frame
+        # a run per append (token-local) or a unit each, joined into one encoded segment when attention reads them,
+        # then the native frame
         assert len(merged._layers[layer].segs) == (4 + 1 if local else 12)
-        assert len(merged.segments(layer)) == (1 + 1 if local else 12)
-        assert len(merged._layers[layer].segs) == (1 + 1 if local else 12)
+        segs = merged.segments(layer)
+        assert len(segs) == 2 and segs[0].stack == (1 if local else 11)
+        assert len(merged._layers[layer].segs) == 2
         assert len(single.segments(layer)) == 12
         for a, b in zip(merged.past(layer), single.past(layer)):
             assert torch.equal(a, b)
@@ -610,7 +615,31 @@ def test_merged_units_decode_bit_identical_to_unit_by_unit(codec):
     assert merged.stats()["encode_calls_per_layer"] == [4 if local else 11] * L
     # packed sizes may differ by a unit's byte padding, no more; joining segments never changes them
     assert abs(merged.nbytes() - single.nbytes()) <= L * 2 * 12 * BATCH * H
+    if not local:
+        assert merged.nbytes() == single.nbytes()  # the same unit-by-unit encodings, stacked
     assert merged.nbytes() == sum(s.nbytes for st in merged._layers for s in st.segs)
+
+
+def test_stacked_units_decode_in_one_call_per_tensor(monkeypatch):
+    """The point of stacking: attention over a KIVI past of 6 units makes one decode call for K and one for V,
+    and a stacked segment split back into units (fused kernels, score paths) decodes to the same tokens."""
+    from mmkv.attention import Segment
+
+    store = store_for("oscar:bits=2,group=32", residual_window=1)
+    gen = torch.Generator().manual_seed(23)
+    for _ in range(2):
+        store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
+    calls = []
+    for codec in (store.k_codec(0), store.v_codec(0)):
+        real = codec.decode
+        monkeypatch.setattr(codec, "decode", lambda enc, *a, _r=real, **kw: calls.append(enc.shape) or _r(enc, *a, **kw))
+    k, v = store.past(0)
+    assert len(calls) == 2 and all(shape[1] == 5 for shape in calls)  # [B, 5 units, H, T, D]
+    (stacked, native) = store.segments(0)
+    units = stacked.unstacked()
+    assert len(units) == 5 and all(u.stack == 1 and u.num_tokens == UNIT for u in units)
+    assert torch.equal(torch.cat([u.decode(k.dtype)[0] for u in units], 2), k[..., : 5 * UNIT, :])
+    assert torch.equal(stacked.decode(k.dtype)[1], v[..., : 5 * UNIT, :])
 
 
 def test_rolling_window_never_merges():

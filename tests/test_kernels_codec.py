@@ -374,3 +374,120 @@ def test_span_leftover_with_nan_is_not_scanned_before_it_is_encoded(kernels_on_c
     assert s.encoded_units(0) == []
     with pytest.raises(KVCacheError, match=r"encoding units \[0, 1, 2\] failed; nothing was stored: .*NaN/Inf"):
         s.append(0, torch.randn(1, 2, 8, 32, generator=g), torch.randn(1, 2, 8, 32, generator=g))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# lagged checks (CacheConfig.checks="lagged", the default on CUDA): read at a later call, without a host sync
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_lagged_checks_raise_at_a_later_call_and_invalidate_the_rollout(kernels_on_cpu):
+    from mmkv.cache import CacheConfig, KVCacheError, KVStore
+
+    g = torch.Generator().manual_seed(8)
+    x = lambda scale=1.0: torch.randn(1, 2, 16, 32, generator=g) * scale  # noqa: E731
+
+    def store(checks):
+        return KVStore(CacheConfig(codec="octopus:b=2", residual_window=1, checks=checks), num_layers=2,
+                       num_heads=2, head_dim=32)
+
+    lagged, eager = store("lagged"), store("eager")
+    inputs = [(x(), x()) for _ in range(3)]
+    q = x()
+    for s in (lagged, eager):  # a clean rollout: the same bytes and the same attention either way
+        for k, v in inputs:
+            s.append(0, k, v, num_units=2)
+    assert lagged.nbytes() == eager.nbytes() and lagged.encoded_units(0) == eager.encoded_units(0) == [0, 1, 2, 3, 4]
+    assert torch.equal(lagged.attend(0, q), eager.attend(0, q))
+    assert not lagged._pending  # read by that attend (on CPU a check is ready at once)
+
+    bad = x()
+    bad[0, 1, 2, 3] = float("nan")  # unit 6, which leaves the window now
+    lagged.append(0, bad, x(), num_units=2)  # stored: the check is read later
+    assert lagged.encoded_units(0)[-1] == 6
+    with pytest.raises(KVCacheError, match=r"units \[5, 6\] of layer 0, encoded at an earlier append, failed a "
+                                           r"check read after they were stored: hold NaN/Inf values.*invalid"):
+        lagged.attend(1, q, x(), x())  # any later call of the store reads it (here another layer's)
+    for call in (lambda: lagged.append(1, x(), x()), lambda: lagged.attend(0, q), lagged.stats, lagged.check):
+        with pytest.raises(KVCacheError, match="invalid: reset"):
+            call()
+    lagged.reset()  # a new rollout starts clean
+    lagged.append(0, x(), x(), num_units=2)
+    assert lagged.stats()["encodes_per_layer"] == [1, 0]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_lagged_encoder_check_names_the_codec_problem_at_check(kernels_on_cpu):
+    from mmkv.cache import CacheConfig, KVCacheError, KVStore
+
+    s = KVStore(CacheConfig(codec="groupquant:bits=2,group=16", residual_window=1, checks="lagged"), num_layers=1,
+                num_heads=2, head_dim=32)
+    g = torch.Generator().manual_seed(9)
+    s.append(0, torch.randn(1, 2, 24, 32, generator=g) * 1e6, torch.randn(1, 2, 24, 32, generator=g), num_units=3)
+    s._pending[0].event = _NotYet()  # as on a GPU still behind: a poll leaves it pending, check() waits for it
+    s.attend(0, torch.randn(1, 2, 8, 32, generator=g))
+    assert len(s._pending) == 1
+    with pytest.raises(KVCacheError, match=r"units \[0, 1\] of layer 0.*overflow"):
+        s.check()
+
+
+class _NotYet:
+    """A CUDA event stand-in that has not fired until waited for."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_attach_exit_reads_pending_checks(kernels_on_cpu):
+    from mmkv.cache import CacheConfig, KVCacheError, KVStore
+
+    s = KVStore(CacheConfig(codec="turboquant-mse:b=2", residual_window=0, checks="lagged"), num_layers=1,
+                num_heads=2, head_dim=32)
+    layer = torch.nn.Linear(1, 1)
+    layer.mmkv_layer = 0
+    k = torch.randn(1, 2, 8, 32)
+    k[0, 0, 0, 0] = float("inf")
+    with pytest.raises(KVCacheError, match="hold NaN/Inf"):
+        with s.attach(layer):
+            s.append(0, k, torch.randn(1, 2, 8, 32))
+    assert "mmkv_store" not in layer.__dict__  # restored all the same
+
+
+def test_device_tables_are_shared_by_equal_content():
+    from mmkv.codecs.base import to_device_shared
+
+    meta = torch.device("meta")
+    a = {"s": torch.tensor([1.0, -1.0]), "n": torch.arange(3, dtype=torch.uint8)}
+    b = {"s": torch.tensor([1.0, -1.0]), "n": torch.arange(3, dtype=torch.uint8)}
+    c = {"s": torch.tensor([-1.0, 1.0]), "n": torch.arange(3, dtype=torch.uint8)}
+    first = to_device_shared(a, meta, "test")
+    assert first["s"].device.type == "meta"
+    assert to_device_shared(b, meta, "test") is first  # equal tables: no second copy
+    assert to_device_shared(c, meta, "test") is not first
+    assert to_device_shared(a, meta, "other") is not first  # keys never mix
+    a["s"][0] = 5.0  # the cache compares against its own copy, not the caller's tensors
+    assert to_device_shared(b, meta, "test") is first
+
+
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=2,group=16", "oscar:bits=2,group=16,role=v"])
+def test_decode_kernels_take_stacked_units(kernels_on_cpu, preset):
+    """A stack of units ([B, n, H, T, D], `stack_units`) is more rows to the decode kernels: equal to the reference
+    decode of each unit (OScaR's per-token key norm is indexed across the stack's extra axis)."""
+    from mmkv.codecs.base import stack_units
+
+    codec = build(preset, head_dim=32, num_heads=2, seed=3)
+    g = torch.Generator().manual_seed(10)
+    xs = [torch.randn(1, 2, 20, 32, generator=g).to(torch.bfloat16) for _ in range(3)]
+    parts = [codec.encode(x) for x in xs]
+    stacked = stack_units(parts)
+    got = codec.decode(stacked, dtype=torch.float32)
+    for i, p in enumerate(parts):
+        want = codec._decode(p)
+        assert torch.allclose(got[:, i], want, rtol=0, atol=1e-6), (i, (got[:, i] - want).abs().max())

@@ -246,7 +246,7 @@ def test_bad_calls_raise_clear_errors(dit, context):
             pass
 
 
-@pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2"])
+@pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2", "oscar:bits=2,group=32"])
 def test_merged_and_joined_segments_give_the_same_rollout(dit, context, codec):
     """merge_units (one encode per block, encoded past joined into one segment) changes how the past is held, not
     what attention reads: the rollout is bit-identical to unit-by-unit encoding."""
@@ -259,8 +259,9 @@ def test_merged_and_joined_segments_give_the_same_rollout(dit, context, codec):
         out[merge] = run(dit, context, preset, store)[0].latents
         segments = len(store.segments(0))
         # unit by unit: one segment a frame; merged: one a block, joined into one past segment when each frame's
-        # packed rows end on a byte (TurboQuant: whole bytes a token; OCTOPUS at 6 tokens a frame: not)
+        # packed rows end on a byte (TurboQuant: whole bytes a token; OCTOPUS at 6 tokens a frame: not); OScaR
+        # encodes frame by frame and its encoded frames are stacked into one segment
         blocks = frames_for(preset) // preset.frames_per_block
-        want = frames_for(preset) if not merge else (2 if codec.startswith("turboquant") else blocks + 1)
+        want = frames_for(preset) if not merge else (blocks + 1 if codec.startswith("octopus") else 2)
         assert segments == want, segments
     assert torch.equal(out[True], out[False])

@@ -5,7 +5,8 @@ Cases (one process, one card, the baseline timed in the same run as the kernel i
   (`mmkv.kernels.attention_kernel`) over the encoded cache against `scaled_dot_product_attention` on the bf16 cache.
 - video: a video chunk, B = 1, H = 12, D = 128, Lq = 4680, Lk in {9360, 32760}: the path `mmkv.attention` takes for
   long query blocks (decode the past to bf16, then SDPA; ecosystem.md D4) against SDPA on the bf16 cache. The past is
-  built by a `KVStore` from 3-frame commits, so its segments are the store's (one per block for token-local codecs).
+  built by a `KVStore` from 3-frame commits, so its segments are the store's (the encoded past joined into one segment,
+  or for KIVI / OScaR keys a stack of frames).
 - encode: `Codec.encode` of a bf16 [1, 32, T, 128] tensor, in GB/s of bf16 input.
 
 Timing: `triton.testing.do_bench` (CUDA events, L2 flushed before each call), median. `ratio` = ms / baseline_ms
@@ -356,16 +357,19 @@ class _Bench:
         segs = store.segments(0)
         kcod, vcod = store.k_codec(0), store.v_codec(0)
         out = attend(q, segs, backend="decode", scale=scale)
-        parts = [attention_lse(q.float(), kcod._decode(g.k_enc), vcod._decode(g.v_enc), scale) for g in segs]
+        parts = [attention_lse(q.float(), kcod._decode(u.k_enc), vcod._decode(u.v_enc), scale)
+                 for g in segs for u in g.unstacked()]
         ref, _ = merge_lse(parts)
         del parts
         err = rel_error(out.float(), ref)
         ms = self.time_ms(lambda: attend(q, segs, backend="decode", scale=scale))
         packed = store.nbytes()
         path = _dispatch_path("decode", self.device, kcod, vcod)
-        rows.append(self._row("video", preset, f"decode to bf16 ({path}) + sdpa, {len(segs)} segments",
+        stacked = sum(g.stack for g in segs if g.stack > 1)
+        layout = f"{len(segs)} segments" + (f" (a stack of {stacked} frames)" if stacked else "")
+        rows.append(self._row("video", preset, f"decode to bf16 ({path}) + sdpa, {layout}",
                               shape, ms, base_ms, packed, err, None, VIDEO_TARGET, path))
-        print(f"  {preset:24s} {ms:.3f} ms  ratio {ms / base_ms:.3f}  err {err:.1e}  {len(segs)} segments  [{path}]",
+        print(f"  {preset:24s} {ms:.3f} ms  ratio {ms / base_ms:.3f}  err {err:.1e}  {layout}  [{path}]",
               flush=True)
         del segs, store, out, ref
         if self.device.type == "cuda":

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="also run one rollout per codec (largest frame count) under torch.profiler and report GPU "
                              "kernel seconds, kernel launches and host syncs next to the wall time")
+    parser.add_argument("--count-syncs", action="store_true",
+                        help="also run one rollout per codec (largest frame count) under torch.cuda's sync debug mode "
+                             "and report how many host syncs torch ops made, by source line (cheaper than --profile)")
     parser.add_argument("--json", type=Path, help="write the rows here")
 
 
@@ -108,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
                       f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
                 del res
+            if args.count_syncs:
+                rows[-1]["syncs"] = count_syncs(lambda: one(codec, frame_counts[-1]))
+                print(f"  syncs: {rows[-1]['syncs']}", flush=True)
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -129,6 +135,29 @@ def run(args: argparse.Namespace) -> int:
 
         atomic_write_json(args.json, rows)
     return 0
+
+
+def count_syncs(fn) -> dict:
+    """Host syncs made by torch ops while `fn` runs (`torch.cuda.set_sync_debug_mode`: .item(), .tolist(), host
+    copies, blocking host-to-device copies from pageable memory...), in total and by the source line that made
+    them (top 8). Triton launches never sync; explicit `torch.cuda.synchronize()` calls are not counted."""
+    import collections
+    import warnings
+
+    import torch
+
+    lines: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            lines[f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"] += 1
+    return {"total": sum(lines.values()), "by_line": dict(lines.most_common(8))}
 
 
 def profile_summary(events) -> dict:

@@ -273,6 +273,61 @@ def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
     return Encoded(first.codec, shape, first.dtype, tensors, dict(first.meta))
 
 
+def stack_units(encs: list[Encoded]) -> Encoded | None:
+    """One encoding of equal-length units stacked on a new axis after the batch axis: each of `encs` is one unit's
+    [B, H, T, D] encoding or an earlier stack [B, n, H, T, D]; the result is [B, sum n, H, T, D], every stored tensor
+    stacked (or concatenated) the same way on its axis 1. For codecs whose leading dims are independent rows (KIVI
+    and OScaR, whose keys group over tokens and so cannot be joined along the token axis): decoding the stack
+    decodes each unit as it would alone. None when the units' layouts differ (shapes, dtypes, metadata)."""
+    if len(encs) < 2:
+        return None
+    unit = lambda e: tuple(e.shape) if len(e.shape) == 4 else (e.shape[0], *e.shape[2:])  # noqa: E731
+    first = encs[0]
+    if len(first.shape) not in (4, 5):
+        return None
+    fields = {k: (t.dtype, t.shape if len(first.shape) == 4 else t.shape[:1] + t.shape[2:])
+              for k, t in first.tensors.items()}
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in fields}
+    units = 0
+    for e in encs:
+        if len(e.shape) not in (4, 5) or unit(e) != unit(first) or e.codec != first.codec or e.dtype != first.dtype \
+                or e.meta != first.meta or set(e.tensors) != set(fields):
+            return None
+        for k, t in e.tensors.items():
+            per = t.shape if len(e.shape) == 4 else t.shape[:1] + t.shape[2:]
+            if (t.dtype, per) != fields[k] or t.dim() < 1:
+                return None
+            parts[k].append(t.unsqueeze(1) if len(e.shape) == 4 else t)
+        units += 1 if len(e.shape) == 4 else e.shape[1]
+    tensors = {k: torch.cat(ts, dim=1) for k, ts in parts.items()}
+    b, h, t, d = unit(first)
+    return Encoded(first.codec, (b, units, h, t, d), first.dtype, tensors, dict(first.meta))
+
+
+# Device copies shared by codec instances whose tables are equal (the same codec, layer and seed in the next store
+# of a sweep): a host-to-device copy from pageable memory is a host sync, and a store is built per rollout.
+_SHARED: dict[tuple, list[tuple[dict, dict]]] = {}
+_SHARED_PER_KEY = 512
+
+
+def to_device_shared(tables: dict[str, torch.Tensor], device: torch.device, key: str) -> dict[str, torch.Tensor]:
+    """Contiguous copies of `tables` on `device`; reused, with no copy, when an earlier call had tables equal to
+    these (same names, dtypes, shapes and values, compared on the host). Tables already on the device are copied
+    fresh (comparing them would be a host sync)."""
+    if device.type == "cpu" or any(t.device.type != "cpu" for t in tables.values()):
+        return {name: t.to(device).contiguous() for name, t in tables.items()}
+    sig = (str(device), key, tuple((name, t.dtype, tuple(t.shape)) for name, t in tables.items()))
+    seen = _SHARED.setdefault(sig, [])
+    for host, dev in seen:
+        if all(torch.equal(host[name], t) for name, t in tables.items()):
+            return dev
+    dev = {name: t.to(device).contiguous() for name, t in tables.items()}
+    if len(seen) >= _SHARED_PER_KEY:
+        seen.pop(0)
+    seen.append(({name: t.clone() for name, t in tables.items()}, dev))
+    return dev
+
+
 def check_or_defer(bad: torch.Tensor, message: Callable[[], str], defer: list | None) -> None:
     """A validity check whose answer lives on the device: `bad` is a 0-d bool tensor. Without `defer`, read it now (a
     host sync) and raise `CodecError(message())` if it is set; with `defer` (a list the caller reads once, for many
@@ -320,6 +375,9 @@ class Codec:
     # True when every token is encoded on its own, so encoding a run of units decodes bit for bit like encoding them
     # one by one (the store then merges them: CacheConfig.merge_units). Codecs grouping over tokens leave it False.
     token_local: bool = False
+    # True when the leading dims of an encoding are independent rows whose decode does not depend on how many there
+    # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`).
+    stackable: bool = False
 
     def __init__(self, config: CodecConfig, *, head_dim: int, num_heads: int = 1, layer: int = 0, seed: int = 0):
         if config.name != self.name:

@@ -24,6 +24,7 @@ class KiviCodec(Codec):
     name = "kivi"
     defaults = {"bits": 2, "group": 32, "role": "k", "meta": "fp16"}
     aliases = {"b": "bits", "g": "group"}
+    stackable = True  # rows (batch, head) decode independently: the store stacks equal units (stack_units)
 
     @classmethod
     def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:

@@ -34,6 +34,7 @@ class OscarCodec(Codec):
     defaults = {"bits": 2, "group": 32, "role": "k", "meta": "fp16"}
     aliases = {"b": "bits", "g": "group"}
     requires_pow2 = True
+    stackable = True  # rows (batch, head) decode independently: the store stacks equal units (stack_units)
 
     @classmethod
     def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator, register, to_device_shared
 from mmkv.codecs.groupquant import group_min_max, num_groups
 from mmkv.codecs.packing import pack_bits, unpack_bits
 
@@ -260,11 +260,13 @@ class QVGCodec(Codec):
 
     def _init_indices(self, stage: int, problems: int, tokens: int, device: torch.device) -> torch.Tensor:
         """`init_indices` on `device`, kept per shape: the same every encode (the generator is reseeded), and a
-        fresh copy from host memory on each encode would be a blocking transfer (a host sync on CUDA)."""
+        fresh copy from host memory on each encode would be a blocking transfer (a host sync on CUDA); stores of
+        a sweep built afresh per rollout share the device copy (`to_device_shared`)."""
         cache = self.__dict__.setdefault("_init_cache", {})
         key = (stage, problems, tokens, str(device))
         if key not in cache:
-            cache[key] = init_indices(self.seed, self.layer, stage, problems, tokens, self.centroids).to(device)
+            host = init_indices(self.seed, self.layer, stage, problems, tokens, self.centroids)
+            cache[key] = to_device_shared({"i": host}, torch.device(device), "qvg:init")["i"]
         return cache[key]
 
     def encode_with(self, x: torch.Tensor, assign: Callable, quantize: Callable) -> Encoded:
