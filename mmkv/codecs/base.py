@@ -221,13 +221,19 @@ def build(
     return get_codec_class(cfg.name)(cfg, head_dim=head_dim, num_heads=num_heads, layer=layer, seed=seed)
 
 
+_LAYOUTS: dict[tuple, dict[str, tuple[int, Fraction]]] = {}
+
+
 def token_layout(codec: "Codec", lead: int) -> dict[str, tuple[int, Fraction]]:
     """For each tensor a token-local codec stores, (the axis that grows with the token count, entries per token),
     found once per codec and leading rank by encoding two probe lengths on the CPU (shapes never depend on values).
-    Fields with a fixed part (not proportional to the token count) are left out: they cannot be concatenated."""
-    cache = codec.__dict__.setdefault("_token_layouts", {})
-    if lead in cache:
-        return cache[lead]
+    Fields with a fixed part (not proportional to the token count) are left out: they cannot be concatenated.
+    Kept per (codec class, config, head_dim, num_heads, lead), not per instance: a store builds its codecs afresh for
+    each rollout, and the probes (the torch reference encode) cost up to 14 ms a codec (OCTOPUS), 0.5 s per rollout
+    of a 30-layer model."""
+    key = (type(codec), str(codec.config), codec.head_dim, codec.num_heads, lead)
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
     g = torch.Generator().manual_seed(0)
     heads = [codec.num_heads] if lead >= 1 and codec.num_heads > 1 else [1] * min(lead, 1)
     dims = [1] * (lead - len(heads)) + heads
@@ -244,7 +250,7 @@ def token_layout(codec: "Codec", lead: int) -> dict[str, tuple[int, Fraction]]:
             rate = Fraction(s2[diff[0]] - s1[diff[0]], 16)
             if rate * 16 == s1[diff[0]]:  # proportional: no fixed part
                 layout[k] = (diff[0], rate)
-    cache[lead] = layout
+    _LAYOUTS[key] = layout
     return layout
 
 
