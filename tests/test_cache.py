@@ -833,3 +833,27 @@ def test_score_estimator_keys_are_not_merged_on_their_own_path():
     assert store_for("octopus-qjl:b=2", attention="decode").merge
     assert store_for("octopus:b=2").merge
     assert not store_for("qjl:bits=2", attention="decode").merge  # its reference projection is not row-local
+
+
+def test_fused_seam_sees_a_stacked_past_unit_by_unit(monkeypatch):
+    """A fused kernel (short query blocks) attends segment by segment: a stacked KIVI past reaches it as one
+    segment per unit (views of the stack), and the result equals decode + SDPA over the same past."""
+    import mmkv.attention as attn
+
+    store = store_for("kivi:bits=2,group=32", residual_window=1)
+    gen = torch.Generator().manual_seed(29)
+    for _ in range(2):
+        store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
+    seen = []
+
+    def kernel(q, segments, scale):  # the seam's protocol, computed by the torch reference
+        seen.append([(s.stack, s.num_tokens) for s in segments])
+        k, v = attn.gather(segments, None, None, torch.float32)
+        return attn.attention_lse(q.float(), k, v, scale)
+
+    monkeypatch.setattr(attn, "find_kernel", lambda kc, vc, device: kernel)
+    q = rand(gen, 2)
+    out = store.attend(0, q)
+    assert seen == [[(1, UNIT)] * 5]  # 5 encoded units; the newest stays native
+    ref = attn.sdpa(q, *store.past(0))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
