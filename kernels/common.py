@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.codecs.base import to_device_shared  # noqa: F401  (kernels import it from here)
+from mmkv.codecs.base import to_device_shared
 
 # The interpreter (TRITON_INTERPRET=1, what CI runs on CPU) has no bf16/fp16 matrix product: dot operands go to fp32.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -75,6 +75,8 @@ def vector(dtype: torch.dtype) -> int:
 
 
 _TABLES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
 def device_tables(codec, device: torch.device, key: str, build: Callable[[], dict]) -> dict:
     """Tensors a kernel reads (signs, boundaries, LUTs, matrices), built once per (codec instance, device, key), and
     copied to the device once per distinct content (`to_device_shared`)."""

@@ -288,7 +288,7 @@ class _Pending:
     units: list[int]
     flags: torch.Tensor  # host copy (pinned on CUDA): [store NaN/Inf flag, encoder checks...]
     event: Any  # torch.cuda.Event recorded after the copy, or None (CPU: ready at once)
-    messages: list[tuple[list[int], Callable[[], str]]]
+    messages: list[Callable[[], str]]  # an encoder check's message, one per flag after the first
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -448,16 +448,17 @@ class KVStore:
                     self._refuse_nonfinite(where, layer, groups, natives, new)
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
             checks += [(group, bad, message) for bad, message in defer or []]
-        if deferred and nonfinite is not None and self._lagged(k.device):
-            self._defer_checks(layer, encoding, nonfinite, checks)
-            del checks
-        elif deferred and nonfinite is not None:
-            flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks]).tolist()
-            if flags[0]:
-                self._refuse_nonfinite(where, layer, groups, natives, new)
-            for (group, _, message), bad in zip(checks, flags[1:]):
-                if bad:
-                    raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {message()}")
+        if deferred and nonfinite is not None:
+            flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks])
+            if self._lagged(k.device):
+                self._defer_checks(layer, encoding, flags, [message for _, _, message in checks])
+            else:
+                values = flags.tolist()
+                if values[0]:
+                    self._refuse_nonfinite(where, layer, groups, natives, new)
+                for (group, _, message), bad in zip(checks, values[1:]):
+                    if bad:
+                        raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {message()}")
             del checks  # their messages may hold tensors of the encodes
 
         # 3. Commit: evict, swap encoded segments in for their native sources, add the rest of the new units
@@ -561,11 +562,10 @@ class KVStore:
         mode = self.config.checks
         return mode == "lagged" or (mode == "auto" and device.type == "cuda")
 
-    def _defer_checks(self, layer: int, units: list[int], nonfinite: torch.Tensor,
-                      checks: list[tuple[list[int], torch.Tensor, Any]]) -> None:
-        """Queue this append's device-side checks: one flag vector, copied to pinned host memory behind the work that
-        computes it, and an event that says when the copy has landed (no host sync now)."""
-        flags = torch.stack([nonfinite.reshape(())] + [bad.reshape(()) for _, bad, _ in checks])
+    def _defer_checks(self, layer: int, units: list[int], flags: torch.Tensor,
+                      messages: list[Callable[[], str]]) -> None:
+        """Queue this append's device-side checks ([store NaN/Inf flag, one flag per message]): copied to pinned host
+        memory behind the work that computes them, with an event that says when the copy has landed (no host sync)."""
         event = None
         if flags.device.type == "cuda":
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -574,7 +574,7 @@ class KVStore:
             event.record(torch.cuda.current_stream(flags.device))
         else:
             host = flags
-        self._pending.append(_Pending(layer, units, host, event, [(group, message) for group, _, message in checks]))
+        self._pending.append(_Pending(layer, units, host, event, messages))
 
     def _poll(self, block: bool = False) -> None:
         """Read the lagged checks whose copies have landed (all of them with `block`, waiting for each one's own
@@ -591,11 +591,10 @@ class KVStore:
                     return
             self._pending.pop(0)
             flags = p.flags.tolist()
-            problem = None
             if flags[0]:
                 problem = "hold NaN/Inf values"
             else:
-                problem = next((message() for (_, message), bad in zip(p.messages, flags[1:]) if bad), None)
+                problem = next((message() for message, bad in zip(p.messages, flags[1:]) if bad), None)
             if problem is not None:
                 self._pending.clear()
                 self._invalid = (
