@@ -49,9 +49,10 @@ def _rollout_json(kind, item, index, variant, preset, bits, kv, eff, rank, files
 
 
 def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48), presets=PRESETS, mp4=False,
-             colours=None):
+             colours=None, config=None):
     """Write a run: `shards` is a list of (run folder, rank, world size); items go round-robin over the ranks, as
-    torchrun sharding does. Same seed -> byte-identical content whatever the split."""
+    torchrun sharding does. Same seed -> byte-identical content whatever the split. `config` joins each manifest's
+    config (e.g. what the pipelines record of the rollouts a run renders)."""
     ref_rng = np.random.default_rng(seed)
     items = []
     for i in range(n_items):
@@ -108,7 +109,8 @@ def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48
                 info = _rollout_json(kind, name, i, variant, preset, bits, kv, eff, rank, files, seed)
                 (d / "rollout.json").write_text(json.dumps(info))
                 entries.append({"item": name, "variant": variant})
-        manifest = {"config": {"seed": seed, "world_size": world}, "versions": {}, "rollouts": entries, "runs": []}
+        config_ = {"seed": seed, "world_size": world, **(config or {})}
+        manifest = {"config": config_, "versions": {}, "rollouts": entries, "runs": []}
         run.mkdir(parents=True, exist_ok=True)
         (run / f"manifest.rank{rank}.json").write_text(json.dumps(manifest))
     return items
@@ -201,15 +203,16 @@ def test_windowed_means_are_item_means_of_per_frame_means(video_run):
 
 
 def test_sharded_runs_report_equal_unsplit(tmp_path, seed, capsys):
-    kw = dict(seed=seed, n_items=3, presets=PRESETS[3:5])
+    kw = dict(seed=seed, n_items=3, presets=PRESETS[3:5], config=_video_config(3, PRESETS[3:5]))
     make_run([(tmp_path / "whole", 0, 1)], **kw)
     make_run([(tmp_path / "ranks", 0, 2), (tmp_path / "ranks", 1, 2)], **kw)  # one folder, two manifests
     make_run([(tmp_path / "shard0", 0, 2), (tmp_path / "shard1", 1, 2)], **kw)  # two run folders
     outs = {}
     for name, runs in (("whole", ["whole"]), ("ranks", ["ranks"]), ("folders", ["shard1", "shard0"])):
         rc, _, err = _report([*(tmp_path / r for r in runs), "--format", "md,csv,json,latex", "--out",
-                              tmp_path / f"out_{name}", "--lpips", "random", "--device", "cpu", "--no-plots"], capsys)
-        assert rc == 0, err
+                              tmp_path / f"out_{name}", "--lpips", "random", "--device", "cpu", "--no-plots",
+                              "--strict"], capsys)
+        assert rc == 0 and "problem" not in err, err  # every rollout the configs expect is in one of the folders
         outs[name] = {f: (tmp_path / f"out_{name}" / f).read_text() for f in
                       ("table.md", "table.csv", "table.json", "table.tex", "windows.md", "windows.csv")}
     assert outs["whole"] == outs["ranks"] == outs["folders"]
@@ -342,7 +345,7 @@ def test_gallery_renders_the_grid_in_chromium(tmp_path, seed, capsys):
     assert rc == 0, err
     page = (out / "index.html").read_text()
     assert page.count('<video class="clip"') == 6 and "../run/rollouts/p0000/reference/video.mp4" in page
-    assert page.count("LPIPS ") >= 4 and '<table class="report"' in page and "plots/rate_causvid_lpips.png" in page
+    assert page.count("LPIPS† ") >= 4 and '<table class="report"' in page and "plots/rate_causvid_lpips.png" in page
     shot = tmp_path / "shot.png"
     cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
@@ -364,3 +367,201 @@ def test_gallery_renders_the_grid_in_chromium(tmp_path, seed, capsys):
         assert centres[i, 0][1] < centres[i, 1][1] < centres[i, 2][1]
         assert abs(centres[i, 0][0] - centres[i, 2][0]) < 30
     assert centres[0, 0][0] < centres[1, 0][0] - 50
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A half-finished sweep: what is missing, failed or unevenly covered is listed, and --strict fails on it
+
+
+def _video_config(n_items, presets):
+    """What `mmkv generate video` records of the rollouts a run renders: the prompt count and a window per variant."""
+    return {"kind": "video", "model": "causvid", "residual_window": 1, "num_prompts": n_items,
+            "windows": {v: {"window": None} for v in ["reference"] + [p[1] for p in presets]}}
+
+
+def _fail(d: Path, error: str) -> None:
+    """A finished rollout turned into one that ran and failed, as the pipelines record it (failed.json instead of
+    rollout.json)."""
+    (d / "rollout.json").unlink()
+    (d / "failed.json").write_text(json.dumps({"kind": "video", "status": "failed", "item": d.parent.name,
+                                               "variant": d.name, "reason": "non-finite output", "error": error}))
+
+
+def _drop(run: Path, item: str, variant: str) -> None:
+    """A rollout that never started: no folder, no manifest entry."""
+    shutil.rmtree(run / "rollouts" / item / variant)
+    m = run / "manifest.rank0.json"
+    data = json.loads(m.read_text())
+    data["rollouts"] = [e for e in data["rollouts"] if (e["item"], e["variant"]) != (item, variant)]
+    m.write_text(json.dumps(data))
+
+
+def test_half_finished_sweep_lists_every_missing_and_failed_rollout_and_strict_fails(tmp_path, seed, capsys):
+    run = tmp_path / "run"
+    presets = PRESETS[3:6]
+    make_run([(run, 0, 2)], seed=seed, n_items=3, presets=presets, config=_video_config(3, presets))  # rank 1 never ran
+    _drop(run, "p0002", "octopus_b2_joint1_norm32")  # killed before it started
+    (run / "rollouts/p0002/polarquant_b2/rollout.json").unlink()  # killed while it ran
+    _fail(run / "rollouts/p0000/turboquant_b2", "latents: 37 of 3456 values are NaN or Inf")
+    args = [run, "--format", "md", "--lpips", "off", "--device", "cpu"]
+    rc, out, err = _report(args, capsys)
+    assert rc == 0
+    lines = [ln.removeprefix("  - ") for ln in err.splitlines() if ln.startswith("  - ")]
+    assert "run: no manifest from rank(s) 1 of world size 2 (causvid): those ranks never started" in err
+    for variant in ("reference", "turboquant_b2", "polarquant_b2", "octopus_b2_joint1_norm32"):
+        assert f"run/rollouts/p0001/{variant}: missing: never rendered (run/manifest.rank0.json's config" in err
+    assert "run/rollouts/p0002/octopus_b2_joint1_norm32: missing: never rendered" in err
+    assert "run/rollouts/p0002/polarquant_b2: partial rollout: rollout.json is missing" in err
+    assert "run/rollouts/p0000/turboquant_b2: failed: latents: 37 of 3456 values are NaN or Inf" in lines
+    for item, variant in (("p0001", "reference"), ("p0002", "octopus_b2_joint1_norm32"), ("p0002", "polarquant_b2"),
+                          ("p0000", "turboquant_b2")):
+        assert sum(f"rollouts/{item}/{variant}:" in ln for ln in lines) == 1, (item, variant)  # named once
+    assert "**Problems**" in out and "p0001/reference: missing: never rendered" in out
+    rc, _, _ = _report([*args, "--strict"], capsys)
+    assert rc == 1
+
+
+def test_a_clip_the_run_could_not_use_is_listed_as_failed(tmp_path, seed, capsys):
+    from mmkv.pipelines.common import parse_codec
+
+    run = tmp_path / "run"
+    presets = [(p, parse_codec(p, 16).variant, b, sigma, kv, eff) for p, b, sigma, kv, eff in
+               (("identity:dtype=native", None, 0.0, 1.0, 16.0), ("kivi:bits=2,group=32,meta=fp16,role=k", 2, 9.0,
+                                                                   3.0, 5.0))]
+    config = {"kind": "audio", "model": "aar", "residual_window": 1, "value_group": 16,
+              "codecs": [p[0] for p in presets], "clips": [f"/data/clip_{c}.wav" for c in "abc"]}
+    make_run([(run, 0, 1)], kind="audio", seed=seed, n_items=2, presets=presets, config=config)
+    m = run / "manifest.rank0.json"
+    data = json.loads(m.read_text())
+    data["failures"] = [{"item": "clip_c", "item_index": 2, "variant": None, "path": "/data/clip_c.wav",
+                         "reason": "unusable clip", "error": "clip /data/clip_c.wav cannot be decoded"}]
+    m.write_text(json.dumps(data))
+    rc, _, err = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu", "--strict"], capsys)
+    assert rc == 1
+    assert ("run/rollouts/clip_c: failed: clip /data/clip_c.wav could not be used (clip /data/clip_c.wav cannot be "
+            "decoded); none of its rollouts were rendered") in err
+    assert "mmkv report: 1 problem(s)" in err  # the clip's line stands for its three rollouts
+    data["failures"] = []
+    m.write_text(json.dumps(data))
+    rc, _, err = _report([run, "--format", "md", "--lpips", "off", "--device", "cpu", "--strict"], capsys)
+    assert rc == 1 and "run/rollouts/clip_c/reference: missing: never rendered" in err
+
+
+def test_codecs_with_different_items_are_compared_over_the_items_all_have(tmp_path, seed, capsys):
+    run = tmp_path / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=2, presets=PRESETS[3:6])
+    _drop(run, "p0001", "turboquant_b2")
+    _drop(run, "p0001", "polarquant_b2")  # n = 1, 1, 2: OCTOPUS alone has p0001
+    out = tmp_path / "out"
+    rc, _, err = _report([run, "--format", "md,csv,json,latex,html", "--out", out, "--lpips", "off", "--device",
+                          "cpu", "--no-plots", "--strict"], capsys)
+    assert rc == 1
+    problem = ("causvid: codecs measured different items (n = 1, 1, 2): TurboQuant (b=2) lacks p0001; PolarQuant "
+               "(b=2) lacks p0001; every statistic uses only the 1 item(s) all have (p0000)")
+    assert problem in err and problem in (out / "problems.txt").read_text()
+    octo = json.loads((run / "rollouts/p0000/octopus_b2_joint1_norm32/metrics.json").read_text())["summary"]
+    table = json.loads((out / "table.json").read_text())
+    row = next(r for r in table["rows"] if r["codec"] == "OCTOPUS")
+    assert row["causvid/n"] == 1 and row["causvid/psnr/mean"] == pytest.approx(octo["psnr"], rel=1e-12)
+    assert row["causvid/items"] == "p0000" and row["causvid/left_out"] == "p0001"
+    csv_row = next(r for r in csv.DictReader(io.StringIO((out / "table.csv").read_text())) if r["codec"] == "OCTOPUS")
+    assert csv_row["causvid/left_out"] == "p0001" and float(csv_row["causvid/ssim/max"]) == pytest.approx(octo["ssim"])
+    note = "over the 1 item(s) all codecs have (p0000)"
+    assert all(note in " ".join(t["notes"]) for t in [table, json.loads((out / "windows.json").read_text())])
+    for name in ("table.md", "table.tex", "windows.md", "windows.tex"):
+        assert note in (out / name).read_text(), name
+    page = (out / "index.html").read_text()
+    assert note in page and problem in page
+
+
+def test_codecs_with_no_common_item_are_shown_unranked_and_marked(tmp_path, seed):
+    run = tmp_path / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=2, presets=PRESETS[3:6])
+    _drop(run, "p0001", "turboquant_b2")
+    _drop(run, "p0000", "octopus_b2_joint1_norm32")
+    rs, _, s = _summary([run], lpips="off")
+    for t in (main_table(s), windows_table(s)):
+        assert not any(any(row) for row in t.marks())  # nothing ranked
+        assert any("NOT COMPARABLE" in n for n in t.notes)
+        assert "NOT COMPARABLE" in T.render(t, "md") and "NOT COMPARABLE" in T.render(t, "latex")
+    assert "no item is common to all" in s.problems[0] and "OCTOPUS (b=2) lacks p0000" in s.problems[0]
+
+
+def test_report_out_that_is_a_file_is_a_one_line_error(video_run, tmp_path, capsys):
+    f = tmp_path / "table.md"
+    f.write_text("an earlier table")
+    for out, says in ((f, "exists and is not a directory"), (f / "sub", "cannot create the folder")):
+        rc, _, err = _report([video_run, "--format", "md", "--lpips", "off", "--device", "cpu", "--out", out], capsys)
+        assert rc == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f.read_text() == "an earlier table"
+
+
+def test_random_trunk_lpips_is_daggered_in_plots_and_gallery(tmp_path, seed, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from mmkv.report import plots as P
+    from mmkv.report.gallery import write_report
+
+    footnote = "LPIPS†: a random AlexNet trunk, not the ImageNet weights"
+    saved = {}
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: (saved.__setitem__(Path(path).name, fig),
+                                                                     save(fig, path, **kw)))
+
+    def texts(fig):
+        ax = fig.axes[0]
+        return [ax.get_ylabel(), ax.get_title(), fig.get_suptitle(), fig.get_supxlabel()]
+
+    run = tmp_path / "run"
+    make_run([(run, 0, 1)], seed=seed, n_items=2, frames=12, presets=PRESETS[3:5])
+    rs, measured, s = _summary([run])
+    P.rate_quality(s, tmp_path / "plots", {"video": ("lpips", "psnr")}), P.frame_curves(s, tmp_path / "plots")
+    for name in ("rate_causvid_lpips.png", "frames_causvid_lpips.png"):
+        t = texts(saved[name])
+        assert any(x.startswith("LPIPS† (lower") for x in t) and footnote in t[-1], (name, t)
+        assert not any("LPIPS " in x or "LPIPS (" in x for x in t), (name, t)
+    assert not any("†" in x for x in texts(saved["rate_causvid_psnr.png"]))
+    page = write_report(tmp_path / "g", s, rs, [], [], []).read_text()
+    assert page.count("LPIPS† 0.") == 2 * 2 and "LPIPS 0." not in page and footnote in page
+
+    for m in measured:  # the same numbers from the ImageNet trunk: no dagger, no footnote
+        m.metrics["config"]["lpips_trunk"] = "alexnet sha256:0"
+    s = summarize(measured)
+    saved.clear()
+    P.rate_quality(s, tmp_path / "plots2", {"video": ("lpips",)})
+    assert not any("†" in x for x in texts(saved["rate_causvid_lpips.png"]))
+    page = write_report(tmp_path / "g2", s, rs, [], [], []).read_text()
+    assert page.count("LPIPS 0.") == 2 * 2 and "LPIPS†" not in page
+
+
+def test_what_the_audio_pipeline_records_names_the_rollouts_a_missing_rank_owed(tmp_path, capsys, monkeypatch,
+                                                                                 request):
+    """The expected rollouts are derived from a real `mmkv compare audio` config (clip list, codec presets)."""
+    from mmkv.pipelines.aar.tiny import random_condition, write_tiny_checkpoints
+
+    write_tiny_checkpoints(tmp_path / "models", "micro", seed=5)
+    (tmp_path / "emb").mkdir()
+    (tmp_path / "clips").mkdir()
+    for i, vec in enumerate(random_condition(3, seed=2).numpy()):
+        np.save(tmp_path / "emb" / f"clip{i}.npy", vec)
+        sf.write(tmp_path / "clips" / f"clip{i}.wav", np.full(2400, 0.01, np.float32), 24000)
+    run = tmp_path / "run"
+    argv = ["compare", "audio", "--aar", str(tmp_path / "models"), "--embeddings", str(tmp_path / "emb"), "--clips",
+            str(tmp_path / "clips"), "--codecs", "identity,kivi:bits=2", "--out", str(run), "--device", "cpu"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
+    torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves
+    assert mmkv_main(argv) == 0
+    capsys.readouterr()
+    report = [run, "--format", "md", "--lpips", "off", "--device", "cpu", "--strict"]
+    rc, _, err = _report(report, capsys)
+    missing = sorted(ln.split(": ")[0].removeprefix("  - ") for ln in err.splitlines() if "never rendered" in ln)
+    assert rc == 1 and missing == [f"run/rollouts/clip1/{v}" for v in ("identity_dtypenative",
+                                                                      "kivi_bits2_group32_metafp16_rolek", "reference")]
+    assert "run: no manifest from rank(s) 1 of world size 2" in err
+    monkeypatch.setenv("RANK", "1")
+    assert mmkv_main(argv) == 0
+    capsys.readouterr()
+    rc, _, err = _report(report, capsys)
+    assert rc == 0 and "problem" not in err, err

@@ -2,8 +2,9 @@
 
 Several RUN folders (torchrun shards written to separate folders, or separate runs) are merged: rollouts are keyed by
 (modality, model, residual window, item, variant). Metrics are computed from the lossless outputs and cached as
-metrics.json beside each rollout. Missing or partial rollouts are listed (which rollout, which file) and everything
-else is still tabulated.
+metrics.json beside each rollout. Every rollout a run's config expects that is missing, partial or failed is listed
+(which rollout, which file, why) and everything else is still tabulated, over the items every codec has; --strict
+exits 1 on any of it.
 
 Without --out, the tables go to stdout in the first text format asked for. With --out DIR: DIR/table.<ext> and
 DIR/windows.<ext> per format, DIR/rollouts.csv and DIR/frames.csv (long form), DIR/problems.txt (when any),
@@ -42,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gallery-items", type=int, default=None, metavar="N", help="show at most N items per model")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-cache", action="store_true", help="recompute metrics and do not write metrics.json")
-    p.add_argument("--strict", action="store_true", help="exit with status 1 when any rollout is missing/partial")
+    p.add_argument("--strict", action="store_true",
+                   help="exit with status 1 on any problem: a rollout missing, partial or failed, or codecs measured "
+                        "over different items")
 
 
 def parse_formats(text: str) -> list[str]:
@@ -83,10 +86,29 @@ def parse_metrics(text: str | None) -> dict[str, tuple[str, ...]] | None:
             "audio": tuple(m for m in names if m in audio) or DEFAULT_METRICS["audio"]}
 
 
+def check_out(out: Path) -> None:
+    """--out must be a folder or creatable as one; said before any metric is computed."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory; give a folder (it is created if absent)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot create the folder ({err.strerror or err}); give a writable folder") \
+            from None
+
+
 def run(args: argparse.Namespace) -> int:
     formats = parse_formats(args.format)
     edges = parse_windows(args.windows)
     metric_sel = parse_metrics(args.metrics)
+    out = args.out
+    if out is None and "html" in formats:
+        if not args.runs[0].is_dir():
+            raise UsageError(f"{args.runs[0]} is not a run folder, so the html report has no default place; give "
+                             "--out DIR")
+        out = args.runs[0] / DEFAULT_OUT
+    if out is not None:
+        check_out(out)
 
     from mmkv.metrics.video import resolve_device
     from mmkv.report import summary as S
@@ -109,17 +131,13 @@ def run(args: argparse.Namespace) -> int:
     win = S.windows_table(s)
     if win is not None:
         tables.append(win)
-    problems = list(rs.problems)
+    problems = list(rs.problems) + s.problems
 
-    out = args.out
-    if out is None and "html" in formats:
-        out = args.runs[0] / DEFAULT_OUT
     if out is None:
         text_formats = [f for f in formats if f != "html"]
         for f in text_formats:
             sys.stdout.write(T.render_many(tables, f, problems))
     else:
-        out.mkdir(parents=True, exist_ok=True)
         for f in formats:
             if f == "html":
                 continue
@@ -148,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mmkv report: wrote {out}/ ({', '.join(formats)}; {len(plots)} plots)", file=sys.stderr)
 
     if problems:
-        print(f"mmkv report: {len(problems)} problem(s); tabulated the other {len(measured)} rollout(s):",
+        print(f"mmkv report: {len(problems)} problem(s); compared the other {len(measured)} rollout(s):",
               file=sys.stderr)
         for p in problems:
             print(f"  - {p}", file=sys.stderr)

@@ -22,7 +22,7 @@ import numpy as np
 from mmkv.report.plots import slug
 from mmkv.io import atomic_write_text
 from mmkv.report.runs import REFERENCE, Rollout, RunSet
-from mmkv.report.summary import METRICS, Summary
+from mmkv.report.summary import LPIPS_NOTE, METRICS, Summary, metric_label
 
 STILL_WIDTH = 320  # px; posters are area-averaged down to at most this width
 CAPTION_METRICS = {"video": ("lpips", "psnr", "ssim"), "audio": ("lsd_db", "snr_db", "log_mel_mse")}
@@ -109,7 +109,9 @@ def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: P
             parts.append(f'<audio controls preload="none" src="{_url(wav, out)}"></audio>')
     if metrics is not None:
         s = metrics["summary"]
-        line = " · ".join(f"{METRICS[k].label} {_fmt_metric(k, s.get(k))}" for k in CAPTION_METRICS[kind] if k in s)
+        random = str(metrics.get("config", {}).get("lpips_trunk") or "").startswith("random")
+        line = " · ".join(f"{metric_label(k, random)} {_fmt_metric(k, s.get(k))}" for k in CAPTION_METRICS[kind]
+                          if k in s)
     elif r.is_reference:
         line = "native cache (reference)"
     else:
@@ -152,6 +154,8 @@ def gallery_sections(s: Summary, rs: RunSet, out: Path, max_items: int | None = 
                                                                for h in heads) + "</div>"
         more = len(by_item) - len(items)
         note = f'<p class="sources">{more} more items not shown (--gallery-items)</p>' if more > 0 else ""
+        if g.random_lpips:
+            note += f'<p class="sources">{html.escape(LPIPS_NOTE)}.</p>'
         sections.append(f'<section class="gallery" id="gallery-{gs}"><h2>{html.escape(g.label)}</h2>'
                         f'<div class="grid" style="{cols}">{head_html}{"".join(out_rows)}</div>{note}</section>')
     return "\n".join(sections)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv.report.summary import CURVE_METRICS, DEFAULT_METRICS, METRICS, Summary, codec_display, parse_preset
+from mmkv.report.summary import (CURVE_METRICS, DEFAULT_METRICS, LPIPS_NOTE, METRICS, Summary, codec_display,
+                                 metric_label, parse_preset)
 
 DPI = 120
 
@@ -29,6 +30,12 @@ def _figure(width: float, height: float):
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+def _footnote(fig, key: str, random_lpips: bool) -> None:
+    """The dagger's meaning under a figure whose LPIPS came from the random trunk."""
+    if key == "lpips" and random_lpips:
+        fig.supxlabel(LPIPS_NOTE, fontsize=7, color="0.3")
 
 
 def _series(s: Summary) -> dict[str, list]:
@@ -75,9 +82,11 @@ def rate_quality(s: Summary, out_dir: Path, metrics: dict | None = None) -> list
                 drawn += 1
             if not drawn:
                 continue
+            label = metric_label(key, g.random_lpips)
             ax.set_xlabel("effective bits per KV element (measured)")
-            ax.set_ylabel(f"{spec.label} ({spec.better} is better)")
-            ax.set_title(f"{g.label}: {spec.label} vs rate (mean, min–max over items)", fontsize=9)
+            ax.set_ylabel(f"{label} ({spec.better} is better)")
+            ax.set_title(f"{g.label}: {label} vs rate (mean, min–max over items)", fontsize=9)
+            _footnote(fig, key, g.random_lpips)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             path = out_dir / f"rate_{slug(g.label)}_{key}.png"
@@ -130,9 +139,11 @@ def frame_curves(s: Summary, out_dir: Path) -> list[Path]:
                 ax.set_xlabel("time (s)")
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7)
-            axes[0].set_ylabel(f"{spec.label} ({spec.better} is better)")
+            label = metric_label(key, g.random_lpips)
+            axes[0].set_ylabel(f"{label} ({spec.better} is better)")
             note = f"\n(identical to the reference at every frame: {', '.join(identical)})" if identical else ""
-            fig.suptitle(f"{g.label}: per-frame {spec.label}, mean over items{note}", fontsize=10)
+            fig.suptitle(f"{g.label}: per-frame {label}, mean over items{note}", fontsize=10)
+            _footnote(fig, key, g.random_lpips)
             path = out_dir / f"frames_{slug(g.label)}_{key}.png"
             fig.savefig(path, dpi=DPI)
             paths.append(path)

@@ -8,7 +8,9 @@ A run folder (written by `mmkv generate video` / `mmkv compare audio`, possibly 
     RUN/rollouts/<item>/<variant>/audio.wav, latent.safetensors, tokens.safetensors  (audio)
 
 `read_runs` collects every complete rollout of one or more run folders (shards of one run, or several runs) and
-reports what is missing or partial; `pair_rollouts` matches each codec rollout with its item's reference;
+reports what is missing, partial or failed, against every rollout the runs' configs say they render (every prompt or
+clip x the reference and every codec), so a sweep killed half way, or a rank that never started, shows;
+`pair_rollouts` matches each codec rollout with its item's reference;
 `Measurer` computes the metrics of a pair from the lossless files and caches them in `metrics.json` beside the
 rollout (atomically; recomputed when an input file changed or the metric settings differ).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from mmkv.metrics.video import LPIPSWeightsNotFound
 
 REFERENCE = "reference"
 ROLLOUT_FILE = "rollout.json"
+FAILED_FILE = "failed.json"  # instead of rollout.json: the rollout ran but its outputs are unusable (e.g. NaN)
 METRICS_FILE = "metrics.json"
 METRICS_VERSION = 1
 # role -> default file name; `files` in rollout.json may name them differently
@@ -158,6 +162,52 @@ class RunSet:
     problems: list[str] = field(default_factory=list)
 
 
+def _failure(info: dict) -> str | None:
+    """Why a rollout record says it failed (`failed: true`, an `error`, or a `status` other than complete), else
+    None. Such a record is final, but its outputs are not a result (e.g. non-finite frames)."""
+    status = info.get("status")
+    bad_status = status is not None and str(status).lower() not in ("complete", "ok")
+    if not (info.get("failed") or info.get("error") or bad_status):
+        return None
+    reason = info.get("error") or info.get("reason") or (f"status {status!r}" if bad_status else None)
+    return str(reason or "marked failed")
+
+
+def expected_rollouts(config: Any) -> tuple[tuple, list[str], list[str]] | None:
+    """(group key, items, variants) that a run's config says it renders; None when the config does not say (not a
+    pipeline's config, or audio conditioned on precomputed embeddings alone, whose names only the embeddings hold).
+
+    Video configs record `num_prompts` (items `pNNNN`) and a planned window per variant; audio configs record the
+    clip list and the codec presets, whose folder names are derived as the pipelines derive them. Raises ValueError
+    when a codec cannot be named (a preset this version of mmkv does not know)."""
+    from mmkv.pipelines.common import RunError, item_name, parse_codec
+
+    if not isinstance(config, dict) or config.get("kind") not in FILES or not config.get("model"):
+        return None
+    key = (config["kind"], str(config["model"]), config.get("residual_window"))
+    items = config.get("items")  # when a config lists them
+    if not isinstance(items, list):
+        if isinstance(config.get("num_prompts"), int):
+            items = [item_name(i) for i in range(config["num_prompts"])]
+        elif isinstance(config.get("clips"), list) and config["clips"] and None not in config["clips"]:
+            from mmkv.pipelines.aar.clap import item_names
+
+            items = item_names([Path(c) for c in config["clips"]])
+        else:
+            return None
+    if isinstance(config.get("windows"), dict):
+        variants = list(config["windows"])
+    elif isinstance(config.get("codecs"), list):
+        try:
+            variants = [REFERENCE] + [parse_codec(str(p), int(config.get("value_group") or 32)).variant
+                                      for p in config["codecs"]]
+        except RunError as err:
+            raise ValueError(f"cannot tell which rollouts its config expects ({err})") from None
+    else:
+        return None
+    return key, [str(i) for i in items], [str(v) for v in variants]
+
+
 def _manifest_entries(manifest: Any) -> list[tuple[str, str]]:
     """(item, variant) pairs a manifest lists; entries may be dicts (item, variant) or 'item/variant' paths."""
     out = []
@@ -177,6 +227,14 @@ def _manifest_entries(manifest: Any) -> list[tuple[str, str]]:
 def _read_rollout(run: Path, d: Path, problems: list[str]) -> Rollout | None:
     where = f"{run.name}/rollouts/{d.parent.name}/{d.name}"
     rj = d / ROLLOUT_FILE
+    if not rj.is_file() and (d / FAILED_FILE).is_file():
+        try:
+            info = json.loads((d / FAILED_FILE).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+            info = {"error": f"unreadable {FAILED_FILE} ({err})"}
+        info = info if isinstance(info, dict) else {}
+        problems.append(f"{where}: failed: {_failure({**info, 'status': 'failed'})}")
+        return None
     if not rj.is_file():
         present = sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
         problems.append(
@@ -203,6 +261,9 @@ def _read_rollout(run: Path, d: Path, problems: list[str]) -> Rollout | None:
         problems.append(f"{where}: {ROLLOUT_FILE} says item {info['item']!r}, variant {info['variant']!r}; "
                         "the folder name disagrees (moved or copied by hand?)")
         return None
+    if (reason := _failure(info)) is not None:
+        problems.append(f"{where}: failed: {reason}")
+        return None
     info = from_jsonable(info)
     files = info.get("files")
     listed = list(files.values()) if isinstance(files, dict) else list(files) if isinstance(files, list) else []
@@ -218,51 +279,106 @@ def _read_rollout(run: Path, d: Path, problems: list[str]) -> Rollout | None:
     return r
 
 
+def _read_manifests(run: Path, rs: RunSet, expected: dict, ranks: dict) -> tuple[dict, set, dict]:
+    """One run folder's manifests: the rollouts they list (-> manifest name), the group keys their configs name, and
+    the failures they record ((item, variant) -> entry; variant None: the clip itself was unusable). The rollouts the
+    configs expect go into `expected` and the ranks seen into `ranks` (both across run folders)."""
+    listed: dict[tuple[str, str], str] = {}
+    groups: set[tuple] = set()
+    failed: dict[tuple[str, str | None], dict] = {}
+    manifests = sorted(run.glob("manifest.rank*.json"))
+    if not manifests:
+        rs.problems.append(f"{run.name}: no manifest.rank*.json (not an mmkv run folder, or no rank started)")
+    for m in manifests:
+        try:
+            data = json.loads(m.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+            rs.problems.append(f"{run.name}/{m.name}: unreadable manifest ({err})")
+            continue
+        rs.manifests[f"{run.name}/{m.name}"] = data
+        for key in _manifest_entries(data):
+            listed.setdefault(key, m.name)
+        config = data.get("config") if isinstance(data, dict) else None
+        try:
+            plan = expected_rollouts(config)
+        except ValueError as err:
+            rs.problems.append(f"{run.name}/{m.name}: {err}; rollouts never started are not listed")
+            plan = None
+        if plan is not None:
+            gk, items, variants = plan
+            groups.add(gk)
+            _, have, _ = ranks.setdefault(gk, (int(config.get("world_size") or 1), set(), run.name))
+            if (rank := re.fullmatch(r"manifest\.rank(\d+)\.json", m.name)) is not None:
+                have.add(int(rank.group(1)))
+            for item in items:
+                for variant in variants:
+                    expected.setdefault((gk, item, variant), f"{run.name}/{m.name}")
+        failures = data.get("failures") if isinstance(data, dict) else None
+        for f in failures if isinstance(failures, list) else []:
+            if isinstance(f, dict) and "item" in f:
+                failed.setdefault((str(f["item"]), None if f.get("variant") is None else str(f["variant"])), f)
+    return listed, groups, failed
+
+
 def read_runs(paths) -> RunSet:
-    """Every complete rollout of the given run folders, plus a problem line for each missing or partial one."""
+    """Every complete rollout of the given run folders, plus a problem line for each missing, partial or failed one:
+    a rollout folder without a complete record, one listed in a manifest but gone, a clip the run could not use, and
+    every (item, variant) a run's config expects that no folder given holds (never started)."""
     runs = [Path(p) for p in paths]
     rs = RunSet(runs=runs)
     seen: dict[tuple, Rollout] = {}
+    # (group key, item, variant) -> "RUN/manifest.rankR.json" that expects it; and which of them have a folder
+    expected: dict[tuple, str] = {}
+    present: set[tuple] = set()
+    ranks: dict[tuple, tuple[int, set[int], str]] = {}  # group key -> (world size, ranks with a manifest, run)
     for run in runs:
         if not run.is_dir():
             rs.problems.append(f"{run}: not a directory (expected a run folder with manifest.rank*.json and "
                                "rollouts/)")
             continue
-        expected: dict[tuple[str, str], str] = {}
-        manifests = sorted(run.glob("manifest.rank*.json"))
-        if not manifests:
-            rs.problems.append(f"{run.name}: no manifest.rank*.json (not an mmkv run folder, or no rank started)")
-        for m in manifests:
-            try:
-                data = json.loads(m.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
-                rs.problems.append(f"{run.name}/{m.name}: unreadable manifest ({err})")
-                continue
-            rs.manifests[f"{run.name}/{m.name}"] = data
-            for key in _manifest_entries(data):
-                expected.setdefault(key, m.name)
+        listed, groups, failed = _read_manifests(run, rs, expected, ranks)
         root = run / "rollouts"
+        found: set[tuple[str, str]] = set()
         if not root.is_dir():
             rs.problems.append(f"{run.name}: no rollouts/ folder")
-            continue
-        found: set[tuple[str, str]] = set()
-        for item_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        for item_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
             for d in sorted(p for p in item_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
                 found.add((item_dir.name, d.name))
                 r = _read_rollout(run, d, rs.problems)
                 if r is None:
                     continue
                 key = (r.group_key, r.item, r.variant)
+                present.add(key)
                 if key in seen:
                     rs.problems.append(f"{r.where()}: duplicate of {seen[key].where()} (same model, item and "
                                        f"variant); using the first")
                     continue
                 seen[key] = r
                 rs.rollouts.append(r)
-        for (item, variant), mname in sorted(expected.items()):
+        # A folder without a usable record was already named above; a listed one that is gone is named here.
+        present.update((gk, item, variant) for gk in groups for item, variant in found | set(listed))
+        for (item, variant), mname in sorted(listed.items()):
             if (item, variant) not in found:
                 rs.problems.append(f"{run.name}/rollouts/{item}/{variant}: missing: listed in {mname} but the "
                                    "folder is gone")
+        # The pipelines drop an entry once its rollout succeeds; a failed rollout's folder (failed.json) is named above.
+        for (item, variant), f in sorted(failed.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+            reason = _failure({**f, "status": "failed"})
+            if variant is None:
+                present.update(k for k in expected if k[0] in groups and k[1] == item)
+                rs.problems.append(f"{run.name}/rollouts/{item}: failed: clip {f.get('path') or item} could not be "
+                                   f"used ({reason}); none of its rollouts were rendered")
+            elif (item, variant) not in found:
+                present.update((gk, item, variant) for gk in groups)
+                rs.problems.append(f"{run.name}/rollouts/{item}/{variant}: failed: {reason}")
+    for gk, (world, have, name) in ranks.items():
+        if absent := sorted(set(range(world)) - have):
+            rs.problems.append(f"{name}: no manifest from rank(s) {', '.join(map(str, absent))} of world size {world} "
+                               f"({gk[1]}): those ranks never started; their rollouts are listed as missing")
+    for (gk, item, variant), source in sorted(expected.items(), key=lambda kv: (str(kv[0][0]), kv[0][1:])):
+        if (gk, item, variant) not in present:
+            rs.problems.append(f"{source.split('/')[0]}/rollouts/{item}/{variant}: missing: never rendered "
+                               f"({source}'s config expects it; no run folder given holds it)")
     return rs
 
 

@@ -2,7 +2,10 @@
 across items, measured KV× and effective bits, windowed means and per-frame curves; then the Table-3-shaped tables.
 
 Aggregation is order-free (values are sorted by item before any sum), so a run split over torchrun shards, or over
-several run folders, gives exactly the report of the same run unsplit.
+several run folders, gives exactly the report of the same run unsplit. Codecs are ranked on equal footing: within a
+model, every statistic is taken over the items that every codec has; where codecs cover different items, the ones
+left out are named in the tables' notes, in csv/json columns and as a problem line (and where no item is common to
+all codecs, each codec's own items are used and nothing is ranked).
 """
 
 from __future__ import annotations
@@ -91,6 +94,13 @@ class Group:
     label: str = ""
     fps: float = DEFAULT_FPS
     lpips_trunks: set = field(default_factory=set)
+    common_items: list[str] = field(default_factory=list)  # the items every codec of the group has
+    uneven: bool = False  # codecs measured different items
+    comparable: bool = True  # False: no item common to all codecs; values are over each codec's own items
+
+    @property
+    def random_lpips(self) -> bool:
+        return any(t.startswith("random") for t in self.lpips_trunks)
 
 
 @dataclass
@@ -105,13 +115,14 @@ class Row:
 class Cell:
     """One (group, preset): the items compared and what they measured."""
 
-    items: list[str]
+    items: list[str]  # the items its statistics are over
     values: dict[str, list[float]]  # metric -> per-item values (item order)
     kv_ratio: float | None
     effective_bits: float | None
     snr_at_cap: float | None = None
     windows: list[dict] = field(default_factory=list)  # [{"label", "start_s", "end_s", metric: mean over items}]
     curves: dict[str, np.ndarray] = field(default_factory=dict)  # metric -> per-frame mean over items
+    left_out: list[str] = field(default_factory=list)  # measured items not in the group's common set
 
     @property
     def n(self) -> int:
@@ -132,6 +143,7 @@ class Summary:
     rows: list[Row]
     cells: dict[tuple, Cell]  # (group key, preset) -> Cell
     measured: list[Measured]
+    problems: list[str] = field(default_factory=list)  # codecs compared over different items
 
     def cell(self, g: Group, r: Row) -> Cell | None:
         return self.cells.get((g.key, r.preset))
@@ -171,10 +183,37 @@ def summarize(measured: list[Measured], *, window_edges_s=None) -> Summary:
     _label_rows(row_list)
 
     cells = {}
-    for key, ms in by_cell.items():
-        ms = sorted(ms, key=lambda m: m.test.sort_key)
-        cells[key] = _cell(ms, groups[key[0]], window_edges_s)
-    return Summary(group_list, row_list, cells, measured)
+    problems = []
+    for g in group_list:
+        mine = {r.preset: sorted(by_cell[g.key, r.preset], key=lambda m: m.test.sort_key) for r in row_list
+                if (g.key, r.preset) in by_cell}
+        covered = {p: {m.test.item for m in ms} for p, ms in mine.items()}
+        common = set.intersection(*covered.values())
+        order = {m.test.item: m.test.sort_key for ms in mine.values() for m in ms}
+        g.common_items = sorted(common, key=order.get)
+        g.uneven = len({frozenset(c) for c in covered.values()}) > 1
+        g.comparable = bool(common) or len(mine) == 1
+        for preset, ms in mine.items():
+            used = [m for m in ms if m.test.item in common] if common else ms
+            cells[g.key, preset] = _cell(used, g, window_edges_s)
+            cells[g.key, preset].left_out = [m.test.item for m in ms if common and m.test.item not in common]
+        if g.uneven:
+            problems.append(_uneven_line(g, [r for r in row_list if r.preset in mine], covered))
+    return Summary(group_list, row_list, cells, measured, problems)
+
+
+def _uneven_line(g: Group, rows: list[Row], covered: dict[str, set]) -> str:
+    """One line: which codec lacks which items, and what the statistics are over instead."""
+    everything = set().union(*covered.values())
+    gaps = "; ".join(f"{r.label}{'' if r.bits is None else f' (b={r.bits:g})'} lacks "
+                     f"{', '.join(sorted(everything - covered[r.preset]))}"
+                     for r in rows if everything - covered[r.preset])
+    ns = ", ".join(str(len(covered[r.preset])) for r in rows)
+    if g.comparable:
+        return (f"{g.label}: codecs measured different items (n = {ns}): {gaps}; every statistic uses only the "
+                f"{len(g.common_items)} item(s) all have ({', '.join(g.common_items)})")
+    return (f"{g.label}: codecs measured different items (n = {ns}) and no item is common to all: {gaps}; each "
+            "codec's statistics are over its own items, not comparable, and not ranked")
 
 
 def _label_rows(rows: list[Row]) -> None:
@@ -258,11 +297,40 @@ def _lpips_note(groups: list[Group]) -> list[str]:
     return notes
 
 
+def metric_label(key: str, random_lpips: bool) -> str:
+    """A metric's display name; LPIPS from the random trunk is not LPIPS, so it shows as LPIPS† (see LPIPS_NOTE)."""
+    label = METRICS[key].label
+    return label + "†" if key == "lpips" and random_lpips else label
+
+
+LPIPS_NOTE = "LPIPS†: a random AlexNet trunk, not the ImageNet weights: not LPIPS, a smoke-test number only"
+
+
 def _metric_header(spec: MetricSpec, g: Group) -> str:
-    h = spec.header
-    if spec.key == "lpips" and any(t.startswith("random") for t in g.lpips_trunks):
-        h = "LPIPS†" + h[-1]
-    return h
+    return metric_label(spec.key, g.random_lpips) + ("↓" if spec.better == "lower" else "↑")
+
+
+def _coverage_notes(groups: list[Group]) -> list[str]:
+    notes = []
+    for g in groups:
+        if g.uneven and g.comparable:
+            notes.append(f"{g.label}: codecs measured different items; n, min / μ / max and every other value are "
+                         f"over the {len(g.common_items)} item(s) all codecs have ({', '.join(g.common_items)}); the "
+                         "items left out are listed under Problems and in the csv/json column left_out.")
+        elif not g.comparable:
+            notes.append(f"{g.label}: NOT COMPARABLE: no item was measured for every codec, so each codec's values "
+                         "are over its own items (see n and Problems) and nothing is marked best.")
+    return notes
+
+
+def _coverage_columns(g: Group, gl: str) -> list[Column]:
+    """csv/json-only columns: the items a row's statistics are over, and the measured ones left out."""
+    return [Column(f"{g.label}/items", (gl, "", "items"), show=False),
+            Column(f"{g.label}/left_out", (gl, "", "left out"), show=False)]
+
+
+def _coverage_values(c: Cell | None) -> list[Any]:
+    return [None, None] if c is None else [" ".join(c.items), " ".join(c.left_out)]
 
 
 def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) -> Table:
@@ -276,8 +344,8 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         gl = g.label if multi else ""
         cols += [Column(f"{g.label}/n", (gl, "", "n"), "{:d}"),
                  Column(f"{g.label}/kv_ratio", (gl, "", "KV×"), "{:.2f}×"),
-                 Column(f"{g.label}/effective_bits", (gl, "", "bits"), "{:.2f}")]
-        getters += [(g, "n"), (g, "kv_ratio"), (g, "effective_bits")]
+                 Column(f"{g.label}/effective_bits", (gl, "", "bits"), "{:.2f}"), *_coverage_columns(g, gl)]
+        getters += [(g, "n"), (g, "kv_ratio"), (g, "effective_bits"), (g, "coverage")]
         for key in metrics.get(g.kind, ()):
             spec = METRICS[key]
             if not any((c := s.cell(g, r)) is not None and c.stat(key) for r in s.rows):
@@ -285,7 +353,8 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
             fmt = "{:.%df}" % spec.digits
             h = _metric_header(spec, g)
             cols += [Column(f"{g.label}/{key}/min", (gl, h, "min"), fmt),
-                     Column(f"{g.label}/{key}/mean", (gl, h, "μ"), fmt, better=spec.better),
+                     Column(f"{g.label}/{key}/mean", (gl, h, "μ"), fmt,
+                            better=spec.better if g.comparable else None),
                      Column(f"{g.label}/{key}/max", (gl, h, "max"), fmt)]
             getters += [(g, (key, 0)), (g, (key, 1)), (g, (key, 2))]
             if key == "snr_db":
@@ -296,7 +365,9 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         row: list[Any] = [r.bits, r.label, r.preset]
         for g, what in getters:
             c = s.cell(g, r)
-            if c is None:
+            if what == "coverage":
+                row += _coverage_values(c)
+            elif c is None:
                 row.append(None)
             elif what == "n":
                 row.append(c.n)
@@ -323,7 +394,7 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         notes.append("Audio: LSD in dB (10 × log10-power LSD, Hann, n_fft 2048, hop 512); SNR in dB capped at 120 "
                      "(= bit-identical), @cap = share of clips at the cap; mel MSE = log10-mel MSE (80 Slaney mels, "
                      "n_fft 1024, hop 256); cos = SAT latent cosine.")
-    notes += _lpips_note(s.groups)
+    notes += _lpips_note(s.groups) + _coverage_notes(s.groups)
     title = "Compressed-KV rollouts against the native-cache reference" + (
         f" ({', '.join(g.label for g in s.groups)})" if s.groups else "")
     return Table("main", title, cols, table_rows, block="bits", notes=notes)
@@ -339,6 +410,8 @@ def windows_table(s: Summary) -> Table | None:
             Column("preset", ("", "", "preset"), show=False)]
     getters = []
     for g in video:
+        cols += _coverage_columns(g, g.label if multi else "")
+        getters.append((g, "coverage", None))
         labels: dict[str, float] = {}
         for r in s.rows:
             c = s.cell(g, r)
@@ -353,13 +426,16 @@ def windows_table(s: Summary) -> Table | None:
             head = (g.label + " " if multi else "") + _metric_header(spec, g)
             for label in ordered:
                 cols.append(Column(f"{g.label}/{key}/{label}", (head, label), "{:.%df}" % spec.digits,
-                                   better=spec.better))
+                                   better=spec.better if g.comparable else None))
                 getters.append((g, key, label))
     rows = []
     for r in s.rows:
         row: list[Any] = [r.bits, r.label, r.preset]
         for g, key, label in getters:
             c = s.cell(g, r)
+            if key == "coverage":
+                row += _coverage_values(c)
+                continue
             w = next((w for w in c.windows if w["label"] == label), None) if c else None
             row.append(None if w is None else w.get(key))
         rows.append(row)
@@ -367,6 +443,7 @@ def windows_table(s: Summary) -> Table | None:
     notes = [f"Each entry: the mean over items of one video's mean of per-frame values in the window [a, b) s at "
              f"{', '.join(f'{f:g}' for f in fps)} fps (PSNR: from the window's pooled MSE). The last window may be "
              "partly filled. Bold / underlined: best / runner-up within a bit-width block."] + _lpips_note(video)
+    notes += _coverage_notes(video)
     return Table("windows", "Windowed means over time (per-frame metrics averaged within each window)", cols, rows,
                  block="bits", notes=notes)
 
