@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lpips", choices=("auto", "alexnet", "random", "off"), default="auto",
                         help="LPIPS trunk for the report: auto = torchvision's ImageNet AlexNet when it is in the "
                              "torch hub cache, else a seeded random trunk (marked †, not LPIPS)")
-    parser.add_argument("--device", default=None, help="torch device (default: GPU if present, else CPU)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: GPU if present, else CPU)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="torch intra-op CPU threads (default 1: the tiny models' ops are too small to gain from "
                              "more, and extra threads spin-wait on a busy machine; 0 = torch's default)")
@@ -270,9 +270,10 @@ def _run(args: argparse.Namespace) -> int:
     from mmkv.pipelines.wan.tiny import TINY_VIDEO
 
     plan = PLANS["quick" if args.quick else "full"]
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
+    from mmkv.pipelines.common import check_out_dir, parse_device
+
+    out = check_out_dir(args.out)  # also: a path under a file, a read-only folder
+    parse_device(args.device)  # a device this machine lacks fails here, not inside the first step
     out.mkdir(parents=True, exist_ok=True)
     _check_identity(out, plan, args.seed)
     lpips = _lpips_mode(args.lpips)

@@ -11,7 +11,9 @@ native, audio.md §5.3). Clips are sharded round-robin over torchrun ranks; each
 prints a table per clip and overall (LSD, log-mel MSE, SNR, latent cosine; min / mean / max).
 
 A clip that cannot be used (corrupt, empty, wrong embedding size) is reported with its file name and skipped; the
-other clips finish and the command exits 1.
+other clips finish and the command exits 1. So does a rollout whose waveform or latent holds NaN / Inf: it writes
+failed.json (with the reason) instead of rollout.json and is listed in the manifest's `failures`. A rerun must give the
+same AAR / SAT checkpoints and conditioner (their SHA-256 are in the manifest and every rollout.json).
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from mmkv.pipelines.common import (
     CodecSpec,
     RunError,
     RunFolder,
-    atomic_path,
     atomic_save_safetensors,
-    local_device,
+    check_out_dir,
     parse_codec_list,
+    parse_device,
     progress,
     rank_info,
     sha256_file,
@@ -43,7 +45,14 @@ from mmkv.pipelines.common import (
     versions,
 )
 
+from mmkv.pipelines.common import (  # noqa: E402
+    atomic_save_wav, failure_record, nonfinite_outputs, remove_stale_temps, rollout_line, say,
+)
+
 AUDIO_FILES = {"audio": "audio.wav", "tokens": "tokens.safetensors", "latent": "latent.safetensors"}
+# The inputs a resume must share with the run that made the folder, by SHA-256 (rollout.json records them too).
+HASH_LABELS = {"aar_sha256": "AAR checkpoint", "sat_sha256": "SAT checkpoint",
+               "conditioner_sha256": "conditioner (--clap / --embeddings)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--aar", required=True, metavar="DIR",
                    help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint each)")
     g.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
-    g.add_argument("--trusted-checkpoint", action="store_true",
-                   help="unpickle checkpoints fully if weights_only loading fails (only for files you trust)")
     g = parser.add_argument_group("conditioning")
     g.add_argument("--clap", metavar="DIR",
                    help="local laion/larger_clap_general directory (transformers); with --clap-backend laion, a "
@@ -87,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=0.95)
     g = parser.add_argument_group("run")
     g.add_argument("--out", required=True, metavar="RUN", help="run folder (created; rerun to resume)")
-    g.add_argument("--device", help="torch device (default: this rank's GPU, else cpu)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: this rank's GPU, else cpu)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -105,8 +112,12 @@ class Conditioner:
         # `key` must match when a run folder is resumed; each rollout also records its embedding's SHA-256.
         if args.embeddings:
             self.source = clap.EmbeddingSource(args.embeddings)
-            self.identity = {"backend": "precomputed", "path": str(args.embeddings)}
-            self.key = {"backend": "precomputed"}
+            p = Path(args.embeddings)
+            files = [p] if p.is_file() else [
+                f for f in sorted(p.iterdir()) if f.is_file() and f.suffix.lower() in (".npy", ".safetensors")
+            ]
+            self.key = {"backend": "precomputed", "sha256": clap.sha256_files(files)}
+            self.identity = {**self.key, "path": str(args.embeddings)}
         elif args.clap:
             p = Path(args.clap)
             if not p.exists():
@@ -152,9 +163,24 @@ class Conditioner:
                 pass  # unreadable cache: recompute
         emb, info = self._get_embedder().embed(path)
         info.update({"clip_sha256": clip_sha, "backend": self.identity["backend"]})
+        remove_stale_temps(cached)  # left by a run killed mid-write; clips are sharded, so no other rank writes it
         atomic_save_safetensors(cached, {"embedding": emb},
                                 metadata={**{k: str(v) for k, v in want.items()}, "info": json.dumps(info)})
         return emb, info
+
+
+FULL_SCALE = 1.0  # float PCM full scale
+
+
+def clip_warnings(path: Path | None, info: dict[str, Any]) -> list[str]:
+    """What a user should hear about a clip that is used anyway: samples beyond full scale. Such a clip is not an
+    error (float files hold any amplitude and CLAP's log-mel front end takes it), but CLAP saw audio within [-1, 1],
+    so the embedding may be off; the clip is used as it is, neither clipped nor rescaled."""
+    peak = info.get("peak")
+    if peak is not None and peak > FULL_SCALE:
+        return [f"clip {path} peaks at {peak:.4g} (mono mix), above full scale {FULL_SCALE:g}; CLAP was trained on "
+                f"audio within [-1, 1], so its embedding may be off (the clip is used unscaled)"]
+    return []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,6 +199,7 @@ class Context:
     stores: dict[str, Any]
     sampling: Any
     versions: dict[str, Any]
+    hashes: dict[str, str] | None = None  # SHA-256 of the inputs (HASH_LABELS), recorded in every rollout.json
 
 
 def _make_store(ctx_args: argparse.Namespace, aar, spec: CodecSpec | None):
@@ -210,23 +237,31 @@ def _effective_bits(stats: dict[str, Any]) -> float | None:
 
 def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tensor, cond_info: dict[str, Any],
                 spec: CodecSpec | None) -> dict[str, Any]:
-    import soundfile as sf
-
+    """Render one rollout and write its files, rollout.json last; a rollout whose waveform or latent holds NaN/Inf
+    writes only failed.json and returns that record (`status: failed`)."""
     from mmkv.pipelines.aar.clap import embedding_sha256
     from mmkv.pipelines.aar.sample import rollout
 
     variant = REFERENCE if spec is None else spec.variant
     out_dir = ctx.folder.rollout_dir(item, variant)
+    for stale in out_dir.glob(".*.tmp*"):  # temp files of a run killed mid-write (SIGKILL skips their cleanup)
+        stale.unlink()
     store = ctx.stores[variant]
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     r = rollout(ctx.aar, ctx.sat, cond[None], seed=ctx.args.seed, key=item, sampling=ctx.sampling, store=store)
+    reason = nonfinite_outputs({"waveform": r.audio, "latent": r.latent})
+    if reason:
+        record = failure_record("audio", item, index, variant, None if spec is None else spec.preset,
+                                "non-finite output", reason, noise_sha256=r.noise_sha256, rank=ctx.rank,
+                                **(ctx.hashes or {}))
+        ctx.folder.write_failure(item, variant, record)
+        return record
     peak_mem = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
     stats = store.stats()
     t0 = time.perf_counter()
     sr = ctx.sat.config.sample_rate
-    with atomic_path(out_dir / AUDIO_FILES["audio"]) as tmp:
-        sf.write(str(tmp), r.audio[0, 0].numpy(), sr, subtype="FLOAT", format="WAV")
+    atomic_save_wav(out_dir / AUDIO_FILES["audio"], r.audio[0, 0].numpy(), sr)  # float32, no timestamped chunk
     tokens = {"tokens": r.tokens_flat[0].contiguous()}
     tokens.update({f"scale_{si:02d}": t[0].contiguous() for si, t in enumerate(r.tokens)})
     atomic_save_safetensors(out_dir / AUDIO_FILES["tokens"], tokens,
@@ -271,6 +306,7 @@ def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tens
         "rank": ctx.rank,
         "files": dict(AUDIO_FILES),
         "versions": ctx.versions,
+        **(ctx.hashes or {}),
     }
     ctx.folder.write_rollout(item, variant, record)
     return record
@@ -379,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
     from mmkv.pipelines.aar.sample import SamplingConfig
 
     rank, world = rank_info()
-    device = torch.device(args.device) if args.device else local_device(rank)
+    device = parse_device(args.device, rank)
+    check_out_dir(args.out)  # a path under a file or a read-only folder fails before any model is loaded
     if args.residual_window < 1:
         raise RunError(f"--residual-window counts scales including the current one; must be >= 1, got "
                        f"{args.residual_window}")
@@ -390,18 +427,19 @@ def run(args: argparse.Namespace) -> int:
     conditioner = Conditioner(args, device)
     names, paths = _items(args, conditioner)
 
-    aar, sat, model_info = load_models(args.aar, sat=args.sat, device=device, trusted=args.trusted_checkpoint)
+    aar, sat, model_info = load_models(args.aar, sat=args.sat, device=device)
     aar_path, sat_path = Path(model_info["aar_path"]), Path(model_info["sat_path"])
     model_name = f"{aar_path.stem}+{sat_path.stem}"
     folder = RunFolder(args.out, rank, world)
+    hashes = {"aar_sha256": sha256_file(aar_path), "sat_sha256": sha256_file(sat_path),
+              "conditioner_sha256": conditioner.key["sha256"]}
     config = {
         "command": "compare audio",
         "kind": "audio",
         "model": model_name,
         "aar_checkpoint": str(aar_path),
         "sat_checkpoint": str(sat_path),
-        "aar_sha256": sha256_file(aar_path),
-        "sat_sha256": sha256_file(sat_path),
+        **hashes,
         "aar_config": model_info["aar_config"],
         "sat_config": model_info["sat_config"],
         "conditioner": conditioner.identity,
@@ -419,12 +457,13 @@ def run(args: argparse.Namespace) -> int:
         "clips": [None if p is None else str(p) for p in paths],
     }
     manifest = folder.open_manifest(config, identity_keys=(
-        "aar_sha256", "sat_sha256", "conditioner_key", "seed", "sampling", "residual_window", "value_group",
-        "protected_layers", "codec_seed"))
+        "aar_sha256", "sat_sha256", "conditioner_sha256", "conditioner_key", "seed", "sampling", "residual_window",
+        "value_group", "protected_layers", "codec_seed"), labels=HASH_LABELS)
     run_entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "rank": rank, "world_size": world,
                  "device": str(device), "codecs": [s.preset for s in specs]}
     manifest["runs"] = manifest["runs"] + [run_entry]
-    failures = {f["item"]: f for f in manifest.data.get("failures", [])}
+    # (item, variant) -> failure; variant None: the clip itself could not be used
+    failures = {(f["item"], f.get("variant")): f for f in manifest.data.get("failures", []) if isinstance(f, dict)}
     vers = versions()
     for pkg in ("soundfile", "soxr", "scipy"):
         try:
@@ -435,11 +474,12 @@ def run(args: argparse.Namespace) -> int:
             vers[pkg] = None
     stores = {REFERENCE: _make_store(args, aar, None)}
     stores.update({s.variant: _make_store(args, aar, s) for s in specs})
-    ctx = Context(args, aar, sat, device, folder, model_name, rank, stores, sampling, vers)
+    ctx = Context(args, aar, sat, device, folder, model_name, rank, stores, sampling, vers, hashes=hashes)
     variants: list[tuple[str, CodecSpec | None]] = [(REFERENCE, None)] + [(s.variant, s) for s in specs]
 
     mine = shard(len(names), rank, world)
     per_clip_metrics: dict[str, dict[str, dict[str, Any]]] = {}
+    rendered = 0
     bar = progress(total=len(mine) * len(variants), desc=f"audio rank {rank}", rank=rank)
     try:
         for index in mine:
@@ -451,25 +491,41 @@ def run(args: argparse.Namespace) -> int:
                 for variant, spec in variants:
                     bar.set_postfix_str(f"{item} / {variant}", refresh=False)
                     rec = folder.rollout_record(item, variant)
-                    if rec is None:
+                    if rec is not None:
+                        folder.check_identity(item, variant, rec, hashes, HASH_LABELS)
+                    else:
                         if cond is None:
                             cond, cond_info = conditioner.get(item, path, folder.root / "conditions")
+                            for warning in clip_warnings(path, cond_info):
+                                print(f"warning: {warning}", flush=True)
                             if cond_info.get("silent"):
                                 print(f"warning: clip {path} is silent; its CLAP embedding carries no information",
                                       flush=True)
                         rec = run_variant(ctx, item, index, text, cond, cond_info, spec)
+                        if rec.get("status") == "failed":
+                            failures[item, variant] = rec
+                            say(f"{item} {variant}: failed: {rec['error']}")
+                            bar.update(1)
+                            continue
+                        failures.pop((item, variant), None)
+                        rendered += 1
+                        say(rollout_line(item, variant, rec["timings"].get("total_s"), rec["kv_bytes"],
+                                         rec["peak_kv_bytes"]))
                     records[variant] = rec
                     bar.update(1)
             except ClipError as err:
-                failures[item] = {"item": item, "item_index": index, "path": text, "error": str(err)}
+                failures[item, None] = {"item": item, "item_index": index, "variant": None, "path": text,
+                                        "reason": "unusable clip", "error": str(err)}
                 print(f"error: {err} (skipped; other clips go on)", flush=True)
                 bar.update(len(variants) - len(records))
                 manifest["failures"] = list(failures.values())
                 manifest.save()
                 continue
-            failures.pop(item, None)
+            failures.pop((item, None), None)
             metrics: dict[str, dict[str, Any]] = {}
             for variant, spec in variants[1:]:
+                if variant not in records or REFERENCE not in records:
+                    continue  # a failed rollout (listed in failures) has nothing to score
                 try:
                     metrics[variant] = clip_metrics(folder, item, variant)
                 except ValueError as err:  # e.g. audio too short for the STFT: say so, do not invent numbers
@@ -494,11 +550,14 @@ def run(args: argparse.Namespace) -> int:
     manifest["failures"] = list(failures.values())
     manifest.save()
 
+    say(f"\nrank {rank}: {rendered} rollout(s) rendered, {len(per_clip_metrics)} clip(s) scored, "
+        f"{len(failures)} failure(s), in {folder.root}")
     print(f"\noverall, rank {rank} ({len(per_clip_metrics)} clips; LSD in dB, SNR capped at 120 dB)")
     print(overall_table(per_clip_metrics, [v for v, _ in variants[1:]]))
     if failures:
-        print(f"\n{len(failures)} clip(s) failed:")
+        print(f"\n{len(failures)} clip(s) or rollout(s) failed:")
         for f in failures.values():
-            print(f"  {f['path']}: {f['error']}")
+            where = f["path"] if f.get("variant") is None else f"{f['item']} {f['variant']}"
+            print(f"  {where}: {f['error']}")
         return 1
     return 0

@@ -6,9 +6,11 @@ sharding, seeded noise with a SHA-256 of every byte drawn, and the run-folder la
     RUN/manifest.rank{R}.json                 run config, versions, checkpoint hashes, rollouts this rank wrote
     RUN/rollouts/<item>/<variant>/...         one folder per (prompt or clip, reference or codec)
     RUN/rollouts/<item>/<variant>/rollout.json   written LAST, atomically: its presence marks the rollout complete
+    RUN/rollouts/<item>/<variant>/failed.json    instead, when the rollout ran but its output holds NaN / Inf
 
-A rerun of the same command skips complete rollouts and redoes incomplete ones, so a sweep killed at any point and
-restarted loses nothing and duplicates nothing.
+A rerun of the same command skips complete rollouts and redoes incomplete (and failed) ones, so a sweep killed at any
+point and restarted loses nothing and duplicates nothing; it must use the same checkpoints (their SHA-256 are
+recorded in the manifest and in every rollout.json) or it is refused.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import platform
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -39,7 +43,7 @@ class RunError(ValueError):
 # Atomic writes (mmkv.io; re-exported here for the pipelines)
 
 from mmkv.io import atomic_path, atomic_save_npy, atomic_save_safetensors, atomic_write_bytes  # noqa: E402,F401
-from mmkv.io import atomic_write_text  # noqa: E402,F401
+from mmkv.io import WriteError, atomic_save_wav, atomic_write_text, remove_stale_temps  # noqa: E402,F401
 from mmkv.io import atomic_write_json as _atomic_write_json  # noqa: E402
 
 
@@ -73,12 +77,44 @@ def read_json(path: str | os.PathLike) -> Any:
 # Hashes and versions
 
 
+_SHA256_CACHE: dict[tuple[str, int, int], str] = {}
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    """SHA-256 of a file's bytes, cached in this process by (path, size, mtime): a run hashes its multi-GB
+    checkpoints once, though the resume check and the loaders both ask."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA256_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+        _SHA256_CACHE[key] = h.hexdigest()
+    return _SHA256_CACHE[key]
+
+
+def sha256_tree(root: str | os.PathLike, files: Iterable[str | os.PathLike]) -> str:
+    """One SHA-256 for a set of files under `root`: over `relative path <TAB> file SHA-256` lines, sorted, so it
+    changes when any file's bytes, name or presence changes and not with the folder's location."""
+    root = os.path.abspath(root)  # not resolved: files may be links into a cache (Hugging Face snapshots)
+    lines = sorted(f"{Path(os.path.relpath(os.path.abspath(f), root)).as_posix()}\t{sha256_file(f)}\n" for f in files)
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str, *, allow_inf: Iterable[str] = ()) -> None:
+    """Refuse weights holding NaN or Inf (a diverged or corrupt checkpoint), naming the first such tensor: such a
+    model renders NaN everywhere, which would be reported as a codec's failure. Tensors named in `allow_inf` (buffers
+    such as an additive attention mask, -inf by design) may hold +-Inf but not NaN."""
+    allow_inf = set(allow_inf)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        bad_mask = torch.isnan(t) if name in allow_inf else ~torch.isfinite(t)
+        if bool(bad_mask.any()):
+            raise RunError(f"{source}: tensor {name!r} holds {int(bad_mask.sum())} non-finite value(s) (NaN or Inf) "
+                           f"of {t.numel()}; the checkpoint is corrupt or its training diverged")
 
 
 def sha256_tensors(tensors: Iterable[torch.Tensor]) -> str:
@@ -302,6 +338,28 @@ def local_device(rank: int) -> torch.device:
     return torch.device("cuda", local % torch.cuda.device_count())
 
 
+DEVICES = "cpu, cuda or cuda:N"  # what mmkv is tested on
+
+
+def parse_device(text: str | None, rank: int = 0) -> torch.device:
+    """The torch device of `--device` (None: this rank's GPU, else CPU; `cuda`: this rank's GPU), checked to exist
+    on this machine."""
+    if text is None:
+        return local_device(rank)
+    m = re.fullmatch(r"\s*(cpu|cuda)(?::(\d+))?\s*", str(text))
+    if m is None or (m[1] == "cpu" and m[2] is not None):
+        raise RunError(f"--device {text!r} is not a device mmkv runs on; expected {DEVICES}")
+    if m[1] == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RunError(f"--device {text}: torch sees no CUDA GPU on this machine (torch {torch.__version__}, built "
+                       f"for CUDA {torch.version.cuda}); use --device cpu")
+    count = torch.cuda.device_count()
+    if m[2] is not None and int(m[2]) >= count:
+        raise RunError(f"--device {text}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", int(m[2])) if m[2] is not None else local_device(rank)  # cuda: this rank's GPU
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Seeded noise
 
@@ -339,21 +397,82 @@ class NoiseStream:
 # Run folders
 
 
+FAILED_FILE = "failed.json"  # beside rollout.json: a rollout that ran and failed (reason inside), never both
+
+
+class NonFiniteError(ValueError):
+    """A rollout output (latents, decoded frames, waveform) holding NaN or Inf; the rollout is recorded as failed."""
+
+
+def nonfinite_outputs(outputs: dict[str, torch.Tensor]) -> str | None:
+    """Why a rollout's outputs cannot be used (`latents: 37 of 3456 values are NaN or Inf`), or None when all are
+    finite. A NaN rollout decodes to a black video or silence that would otherwise be scored as a result."""
+    problems = []
+    for name, t in outputs.items():
+        bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        if bad:
+            problems.append(f"{name}: {bad} of {t.numel()} values are NaN or Inf")
+    return "; ".join(problems) or None
+
+
+def failure_record(kind: str, item: str, index: int, variant: str, preset: str | None, reason: str,
+                   error: str, **facts: Any) -> dict[str, Any]:
+    """The failed.json record (and the manifest's `failures` entry) of a rollout that ran but failed."""
+    return {"kind": kind, "status": "failed", "item": item, "item_index": index, "variant": variant,
+            "preset": preset, "reason": reason, "error": error, **facts}
+
+
+def say(text: str) -> None:
+    """One line of run output on stdout, whether or not it is a terminal (progress bars stay terminal-only); printed
+    through tqdm so an active bar is redrawn below it."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def rollout_line(item: str, variant: str, seconds: float | None, kv_bytes: int | None,
+                 peak_kv_bytes: int | None = None) -> str:
+    """`p0000 reference: 12.3 s, KV 1,234,567 B (peak 2,345,678 B)`: the line printed after each rollout."""
+    secs = "-" if seconds is None else f"{seconds:.2f} s"
+    kv = "-" if kv_bytes is None else f"{int(kv_bytes):,} B"
+    peak = "" if peak_kv_bytes is None else f" (peak {int(peak_kv_bytes):,} B)"
+    return f"{item} {variant}: {secs}, KV {kv}{peak}"
+
+
 def item_name(index: int) -> str:
     """Folder name of prompt / clip `index`: `p0003`."""
     return f"p{int(index):04d}"
+
+
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Fail early, without creating anything, when folder `path` cannot be created or written: a path under a file,
+    or a read-only / not writable nearest existing folder."""
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:  # a relative path whose every parent is missing: the working directory holds it
+        existing = Path.cwd()
+    if not existing.is_dir():
+        where = "exists and is a file" if existing == path else f"cannot be created: {existing} is a file"
+        raise RunError(f"{flag} {path} {where}, not a directory; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunError(f"{flag} {path} cannot be written: {existing} is read-only or not writable by this user; "
+                       f"choose another {flag}")
+    return path
 
 
 class RunFolder:
     """The run folder: rollout paths, completion checks, and this rank's manifest (merged across restarts)."""
 
     def __init__(self, root: str | os.PathLike, rank: int = 0, world_size: int = 1):
-        self.root = Path(root)
+        self.root = check_out_dir(root)
         self.rank = rank
         self.world_size = world_size
-        if self.root.exists() and not self.root.is_dir():
-            raise RunError(f"run folder {self.root} exists and is not a directory")
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # e.g. a race with another process, or a filesystem that refuses the name
+            raise RunError(f"--out {self.root} cannot be created ({err.strerror or err}); choose another "
+                           "--out") from None
 
     # -- rollouts ------------------------------------------------------------------------------------------------
     def rollout_dir(self, item: str, variant: str) -> Path:
@@ -378,27 +497,60 @@ class RunFolder:
         return self.rollout_record(item, variant) is not None
 
     def write_rollout(self, item: str, variant: str, record: dict[str, Any]) -> Path:
-        """Write rollout.json last and atomically; call only after every file it lists is in place."""
+        """Write rollout.json last and atomically; call only after every file it lists is in place. A failure record
+        of an earlier attempt is removed: this one succeeded."""
         path = self.rollout_dir(item, variant) / "rollout.json"
         atomic_write_json(path, record)
+        (path.parent / FAILED_FILE).unlink(missing_ok=True)
         return path
+
+    def write_failure(self, item: str, variant: str, record: dict[str, Any]) -> Path:
+        """Record a rollout that ran but produced no usable output (e.g. NaN latents) as `failed.json`, so the report
+        can list it; no rollout.json is written, so the rollout stays incomplete and a rerun tries it again."""
+        return atomic_write_json(self.rollout_dir(item, variant) / FAILED_FILE, record)
 
     # -- manifest ------------------------------------------------------------------------------------------------
     @property
     def manifest_path(self) -> Path:
         return self.root / f"manifest.rank{self.rank}.json"
 
-    def open_manifest(self, config: dict[str, Any], *, identity_keys: Sequence[str] = ()) -> "Manifest":
+    def open_manifest(self, config: dict[str, Any], *, identity_keys: Sequence[str] = (),
+                      labels: dict[str, str] | None = None) -> "Manifest":
         """Load this rank's manifest (or start one). When resuming, the values of `identity_keys` in the stored config
-        must equal the new ones (a rerun with another seed or model must not mix into the same folder)."""
-        return Manifest(self.manifest_path, config, identity_keys)
+        must equal the new ones (a rerun with another seed, model or checkpoint must not mix into the same folder);
+        `labels` names the input behind a `*_sha256` key in the error. Temp files of this rank's manifest left by a
+        killed write are removed first (only this rank writes them)."""
+        remove_stale_temps(self.manifest_path)
+        return Manifest(self.manifest_path, config, identity_keys, labels)
+
+    def check_identity(self, item: str, variant: str, record: dict[str, Any], expected: dict[str, Any],
+                       labels: dict[str, str] | None = None) -> None:
+        """Refuse a finished rollout whose recorded inputs (`expected`: key -> value, e.g. checkpoint hashes) differ
+        from this run's: it may have been written by another rank's earlier run, which this rank's manifest does not
+        know."""
+        where = self.rollout_dir(item, variant) / "rollout.json"
+        for key, want in expected.items():
+            if record.get(key) != want:
+                raise RunError(identity_mismatch(where, key, record.get(key), want, labels))
+
+
+def identity_mismatch(where: Path, key: str, old: Any, new: Any, labels: dict[str, str] | None = None) -> str:
+    """The one-line error for a resume whose inputs differ from those the run folder was made with."""
+    if key.endswith("_sha256"):
+        label = (labels or {}).get(key, key[: -len("_sha256")])
+        return (f"{where}: this run folder was made from a {label} with SHA-256 {old or '(not recorded)'}, the command "
+                f"now gives one with SHA-256 {new}; resuming would mix the two in one table: give another --out "
+                f"folder for this {label}, or the same {label} to resume")
+    return (f"{where}: this run folder was made with {key}={old!r}, the command now asks for {new!r}; "
+            f"use another --out folder or the same settings to resume")
 
 
 class Manifest:
     """One rank's manifest: run config, versions, extra facts (checkpoint hashes), rollouts written; saved
     atomically."""
 
-    def __init__(self, path: Path, config: dict[str, Any], identity_keys: Sequence[str] = ()):
+    def __init__(self, path: Path, config: dict[str, Any], identity_keys: Sequence[str] = (),
+                 labels: dict[str, str] | None = None):
         self.path = path
         self.data: dict[str, Any] = {"config": config, "versions": versions(), "rollouts": [], "runs": []}
         if path.exists():
@@ -408,10 +560,7 @@ class Manifest:
             for key in identity_keys:
                 a, b = old["config"].get(key), _jsonable(config.get(key))
                 if a != b:
-                    raise RunError(
-                        f"{path}: this run folder was made with {key}={a!r}, the command now asks for {b!r}; "
-                        f"use another --out folder or the same settings to resume"
-                    )
+                    raise RunError(identity_mismatch(path, key, a, b, labels))
             self.data["rollouts"] = list(old.get("rollouts", []))
             self.data["runs"] = list(old.get("runs", []))
             for k, v in old.items():
@@ -435,6 +584,100 @@ class Manifest:
 
 def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=_json_default))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint files (both pipelines read them the same way)
+
+CHECKPOINT_FORMATS = "a torch.save file (zip or legacy pickle, e.g. .pt / .pth) or a .safetensors file"
+_SAFE_CONTENTS = "tensors, dicts / lists / tuples of them, numbers, strings, numpy scalars and argparse.Namespace"
+
+
+def checkpoint_format(path: str | os.PathLike) -> str | None:
+    """'torch-zip', 'torch-pickle' or 'safetensors', read off a file's first bytes; None when it is none of them."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":
+        return "torch-zip"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # pickle's PROTO opcode: torch's legacy format
+        return "torch-pickle"
+    if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= path.stat().st_size - 8:
+        return "safetensors"  # an 8-byte little-endian header length, then the JSON header
+    return None
+
+
+def _data_only_globals() -> list:
+    """Types that training scripts pickle beside the weights and that torch's weights_only unpickler rebuilds without
+    running any other code: numpy scalars (step counters, losses) and argparse.Namespace (the run's arguments)."""
+    import argparse
+
+    dtypes = [t for t in vars(np.dtypes).values() if isinstance(t, type) and issubclass(t, np.dtype)]
+    return [argparse.Namespace, np._core.multiarray.scalar, np.dtype, *dtypes]
+
+
+def check_checkpoint_file(path: str | os.PathLike, *, error: type[Exception] = RunError) -> str:
+    """The format of checkpoint file `path` (see `checkpoint_format`), from its first bytes only; raises `error`
+    naming the file when it is missing, empty or of no format mmkv reads."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"checkpoint file {path} does not exist")
+    if path.stat().st_size == 0:
+        raise error(f"checkpoint file {path} is empty")
+    fmt = checkpoint_format(path)
+    if fmt is None:
+        what = "a readable safetensors file" if path.suffix == ".safetensors" else "a PyTorch or safetensors file"
+        raise error(f"checkpoint file {path} is not {what} (its first bytes match neither format); expected "
+                    f"{CHECKPOINT_FORMATS}")
+    return fmt
+
+
+def read_checkpoint_file(path: str | os.PathLike, *, error: type[Exception] = RunError) -> Any:
+    """What a checkpoint file holds, by its content (not its suffix): a safetensors file as a flat dict of tensors, a
+    torch.save file through `torch.load(weights_only=True)`, which never runs pickled code. Raises `error` with a
+    message naming the file: missing, empty, not a checkpoint at all, corrupt, or holding other pickled objects."""
+    path = Path(path)
+    fmt = check_checkpoint_file(path, error=error)
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise error(f"checkpoint file {path} is not a readable safetensors file ({err})") from None
+    try:
+        with torch.serialization.safe_globals(_data_only_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=fmt == "torch-zip")
+    except pickle.UnpicklingError as err:
+        names = _unsafe_globals(path, str(err)) if fmt == "torch-zip" else _named_globals(str(err))
+        if not names:  # torch's text here is advice about weights_only, never worth passing on
+            raise error(f"checkpoint file {path} is corrupt or truncated (its pickle stream cannot be read)") from None
+        raise error(
+            f"checkpoint file {path} holds pickled objects other than tensors and plain containers "
+            f"({', '.join(names)}); refusing to execute pickled code, which unpickling them would do. Readable "
+            f"contents: {_SAFE_CONTENTS}"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, KeyError, IndexError) as err:
+        detail = (str(err).splitlines() or [""])[0].split(". ")[0]  # torch's first sentence names the damage
+        detail = "" if "weights_only" in detail else f" ({type(err).__name__}: {detail})"
+        raise error(f"checkpoint file {path} is corrupt or truncated, or not a torch.save file{detail}") from None
+
+
+def _named_globals(message: str) -> list[str]:
+    """The disallowed globals or classes a weights_only error names."""
+    found = re.findall(r"GLOBAL (\S+) was not an allowed global", message)
+    found += re.findall(r"but got <class '([^']+)'>", message)
+    return sorted(set(found))
+
+
+def _unsafe_globals(path: Path, message: str) -> list[str]:
+    """Every disallowed global in a torch zip checkpoint (torch's error names only the first)."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _data_only_globals()}
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # a damaged archive: fall back to the one name in the error
+        return _named_globals(message)
+    return sorted(set(found) - allowed) or _named_globals(message)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,9 +10,12 @@ fit the budget (planned by `mmkv.cache.fit_attention_window` before anything is 
 the reference keeps `--window` (global when absent).
 
 Per (prompt, variant) it writes RUN/rollouts/pNNNN/<variant>/{frames.npy, latents.safetensors, video.mp4} and last,
-atomically, rollout.json; a rerun skips complete rollouts. Under torchrun each rank takes prompts i with
-i % WORLD_SIZE == RANK and writes its own RUN/manifest.rank{R}.json. The reference and every codec of a prompt draw
-identical noise from a private generator seeded by (seed, prompt index); its SHA-256 is recorded per rollout.
+atomically, rollout.json; a rerun skips complete rollouts. A rollout whose latents or decoded frames hold NaN / Inf
+writes failed.json (with the reason) instead and the command exits 1; a rerun tries it again. A rerun must give the
+same checkpoint and base files: their SHA-256 are in the manifest and in every rollout.json, and a mismatch is refused.
+Under torchrun each rank takes prompts i with i % WORLD_SIZE == RANK and writes its own RUN/manifest.rank{R}.json. The
+reference and every codec of a prompt draw identical noise from a private generator seeded by (seed, prompt index);
+its SHA-256 is recorded per rollout. One line per rollout (seconds, KV bytes) and a summary go to stdout.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -29,23 +33,28 @@ import torch
 
 from mmkv.cache import KVCacheError
 from mmkv.pipelines.common import (
-    REFERENCE, CodecSpec, NoiseStream, RunError, RunFolder, atomic_path, atomic_save_npy, atomic_save_safetensors,
-    item_name, local_device, parse_codec_list, parse_size, progress, rank_info, read_prompts, shard, versions,
+    REFERENCE, CodecSpec, NoiseStream, NonFiniteError, RunError, RunFolder, WriteError, atomic_path, atomic_save_npy,
+    atomic_save_safetensors, check_out_dir, failure_record, item_name, nonfinite_outputs, parse_codec_list,
+    parse_device, parse_size, progress, rank_info, read_prompts, rollout_line, say, sha256_file, sha256_tree, shard,
+    versions,
 )
 from mmkv.pipelines.wan.loop import PRESETS, get_preset
 
 FPS = 16  # CausVid / Causal Forcing export rate (video.md §7)
 FILES = {"frames": "frames.npy", "latents": "latents.safetensors", "video": "video.mp4"}
 # Settings that must not change when resuming into an existing run folder.
-IDENTITY_KEYS = ("model", "seed", "residual_window", "frames", "height", "width", "value_group", "codec_seed",
-                 "prompts_sha256", "protected_layers", "protected_units", "window", "sink", "kv_budget_bytes")
+# Checkpoint and base hashes first: another --ckpt or --base renders other videos, whatever the other settings.
+IDENTITY_KEYS = ("ckpt_sha256", "base_sha256", "model", "seed", "residual_window", "frames", "height", "width",
+                 "value_group", "codec_seed", "prompts_sha256", "protected_layers", "protected_units", "window", "sink",
+                 "kv_budget_bytes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="PRESET",
                         help=f"inference preset: {', '.join(PRESETS)}")
     parser.add_argument("--ckpt", required=True, metavar="PATH",
-                        help="CausVid / Causal Forcing checkpoint file, or a directory holding one (model.pt)")
+                        help="CausVid / Causal Forcing / Self-Forcing checkpoint file, or a directory holding one "
+                             "(model.pt)")
     parser.add_argument("--ckpt-key", default=None, metavar="KEY",
                         help="entry of the checkpoint dict to load (default: generator_ema, else generator)")
     parser.add_argument("--base", required=True, metavar="DIR",
@@ -82,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, metavar="N", help="only the first N prompts")
     parser.add_argument("--no-cross-attn-cache", action="store_true",
                         help="recompute the text K/V on every call instead of once per rollout")
-    parser.add_argument("--device", default=None, help="torch device (default: this rank's GPU, else CPU)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: this rank's GPU, else CPU)")
     parser.add_argument("--out", required=True, metavar="RUN", help="run folder (created; reruns resume)")
 
 
@@ -190,21 +199,48 @@ def _protected_layers(text: str) -> tuple[int, ...]:
         raise RunError(f"--protected-layers must be comma-separated ints, got {text!r}") from None
 
 
-def _write_mp4(path: Path, frames: np.ndarray) -> None:
-    """H.264 yuv420p mp4 at 16 fps, for people (metrics read frames.npy) (ecosystem.md §C)."""
-    import imageio.v2 as imageio
+HASH_LABELS = {"ckpt_sha256": "--ckpt checkpoint", "base_sha256": "--base folder"}
 
+
+def _write_mp4(path: Path, frames: np.ndarray) -> None:
+    """H.264 yuv420p mp4 at 16 fps, for people (metrics read frames.npy).
+
+    ffmpeg (imageio-ffmpeg's binary) is run directly: imageio's writer ignores ffmpeg's exit status, so a full disk
+    left an unreadable file that was then moved into place. Here a failed encode, an empty file or a file that does
+    not hold every frame raises `WriteError` and nothing replaces `path`.
+    """
+    import subprocess
+
+    import imageio_ffmpeg
+
+    n, h, w = frames.shape[:3]
+    cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24",
+           "-s", f"{w}x{h}", "-r", str(FPS), "-i", "-", "-an", "-c:v", "libx264", "-pix_fmt", "yuv420p",
+           "-crf", "18", "-preset", "medium", "-movflags", "+faststart"]
+    if h % 2 or w % 2:  # yuv420p needs even sizes
+        cmd += ["-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2"]
     with atomic_path(path) as tmp:
-        writer = imageio.get_writer(
-            tmp, format="FFMPEG", mode="I", fps=FPS, codec="libx264", quality=None, pixelformat="yuv420p",
-            macro_block_size=16, ffmpeg_log_level="error",
-            output_params=["-crf", "18", "-preset", "medium", "-movflags", "+faststart"],
-        )
-        try:
-            for frame in frames:
-                writer.append_data(frame)
-        finally:
-            writer.close()
+        done = subprocess.run([*cmd, str(tmp)], input=np.ascontiguousarray(frames, dtype=np.uint8).tobytes(),
+                              capture_output=True)
+        if done.returncode != 0:  # ffmpeg reports the cause first (e.g. No space left on device), then its effects
+            lines = [re.sub(r"^\[[^]]*\]\s*", "", line) for line in done.stderr.decode(errors="replace").splitlines()]
+            cause = next((line for line in lines if line.strip()), "no message")
+            raise WriteError(None, f"cannot write {path}: ffmpeg failed (exit status {done.returncode}): {cause}")
+        _check_mp4(tmp, n, path)
+
+
+def _check_mp4(tmp: Path, frames: int, path: Path) -> None:
+    """Refuse an mp4 that is empty or does not hold `frames` frames (read back by ffmpeg, without decoding)."""
+    import imageio_ffmpeg
+
+    if tmp.stat().st_size == 0:
+        raise WriteError(None, f"cannot write {path}: ffmpeg wrote an empty file")
+    try:
+        found = imageio_ffmpeg.count_frames_and_secs(str(tmp))[0]
+    except (RuntimeError, OSError):  # its message is ffmpeg's whole banner: say it in one line
+        raise WriteError(None, f"cannot write {path}: ffmpeg cannot read the encoded file back") from None
+    if found != frames:
+        raise WriteError(None, f"cannot write {path}: the encoded file holds {found} frames, not {frames}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,36 +248,47 @@ def run(args: argparse.Namespace) -> int:
     protected = _protected_layers(args.protected_layers)
     rank, world = rank_info()
     grid_shape = _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
-    device = torch.device(args.device) if args.device else local_device(rank)
+    device = parse_device(args.device, rank)
+    check_out_dir(args.out)  # a path under a file or a read-only folder fails before anything is loaded
+    from mmkv.pipelines.wan.pipeline import prompt_cleaning
+
+    cleaning = prompt_cleaning()  # ftfy, always (a missing ftfy fails here)
     windows = _plan_windows(args, codecs, protected, grid_shape, device)  # a budget too small fails here too
+    hashes = _input_hashes(args)  # a resume must render from the same checkpoint and base files
     folder = RunFolder(args.out, rank, world)
     config = {
         "kind": "video", "model": args.model, "preset": get_preset(args.model).to_dict(),
         "ckpt": str(Path(args.ckpt).resolve()), "ckpt_key": args.ckpt_key, "base": str(Path(args.base).resolve()),
+        **hashes,
         "prompts_file": str(Path(args.prompts).resolve()), "prompts_sha256": prompts_sha,
         "num_prompts": len(prompts), "codecs": [c.preset for c in codecs], "residual_window": args.residual_window,
         "value_group": args.value_group, "protected_layers": list(protected), "protected_units": args.protected_units,
         "seed": args.seed, "codec_seed": args.codec_seed, "frames": args.frames, "height": args.height,
         "width": args.width, "cross_attn_cache": not args.no_cross_attn_cache, "rank": rank, "world_size": world,
         "fps": FPS, "window": args.window, "sink": args.sink, "kv_budget_bytes": args.kv_budget_bytes,
-        "windows": {variant: plan for variant, plan in windows.items()},
+        "windows": {variant: plan for variant, plan in windows.items()}, "prompt_cleaning": cleaning,
     }
-    manifest = folder.open_manifest(config, identity_keys=IDENTITY_KEYS)
+    manifest = folder.open_manifest(config, identity_keys=IDENTITY_KEYS, labels=HASH_LABELS)
     variants: list[CodecSpec | None] = [None, *codecs]
     mine = shard(len(prompts), rank, world)
     todo = [(i, spec) for i in mine for spec in variants
             if not folder.is_complete(item_name(i), REFERENCE if spec is None else spec.variant)]
-    for i in mine:  # rollouts finished by an earlier run of this rank stay listed
+    for i in mine:  # rollouts finished by an earlier run (of any rank) stay listed, if made from the same inputs
         for spec in variants:
             variant = REFERENCE if spec is None else spec.variant
             record = folder.rollout_record(item_name(i), variant)
             if record is not None:
+                folder.check_identity(item_name(i), variant, record, hashes, HASH_LABELS)
                 manifest.add_rollout(_manifest_entry(record))
+    pending = {(item_name(i), REFERENCE if spec is None else spec.variant) for i, spec in todo}
+    failures = {(f["item"], f["variant"]): f for f in manifest.data.get("failures", [])
+                if isinstance(f, dict) and (f.get("item"), f.get("variant")) in pending}  # failed before, retried
+    manifest["failures"] = list(failures.values())
     manifest["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "pending": len(todo),
                              "versions": versions()})
     manifest.save()
     if not todo:
-        print(f"rank {rank}: all {len(mine) * len(variants)} rollouts already complete in {folder.root}")
+        say(f"rank {rank}: all {len(mine) * len(variants)} rollouts already complete in {folder.root}")
         return 0
 
     from mmkv.pipelines.wan.loaders import load_wan
@@ -267,13 +314,36 @@ def run(args: argparse.Namespace) -> int:
             text_seconds = time.perf_counter() - t0
         plan = windows[REFERENCE if spec is None else spec.variant]
         record = _render(pipe, folder, grid, args, index, prompts[index], spec, contexts[index], rank, protected, plan)
-        record["timings"]["text_encode"] = text_seconds
-        folder.write_rollout(record["item"], record["variant"], record)  # last, atomically: marks completion
-        manifest.add_rollout(_manifest_entry(record))
+        key = (record["item"], record["variant"])
+        record.update(hashes)
+        if record.get("status") == "failed":
+            folder.write_failure(*key, record)
+            failures[key] = record
+            say(f"{key[0]} {key[1]}: failed: {record['error']}")
+        else:
+            record["timings"]["text_encode"] = text_seconds
+            folder.write_rollout(*key, record)  # last, atomically: marks completion
+            manifest.add_rollout(_manifest_entry(record))
+            failures.pop(key, None)
+            say(rollout_line(*key, record["timings"]["total"], record["kv_bytes"], record["peak_kv_bytes"]))
+        manifest["failures"] = list(failures.values())
         manifest.save()
         bar.update(1)
     bar.close()
-    return 0
+    say(f"rank {rank}: {len(todo) - len(failures)} rollout(s) rendered, {len(mine) * len(variants) - len(todo)} "
+        f"already complete, {len(failures)} failed, in {folder.root}")
+    for f in failures.values():
+        say(f"  failed: {f['item']} {f['variant']}: {f['error']}")
+    return 1 if failures else 0
+
+
+def _input_hashes(args: argparse.Namespace) -> dict[str, str]:
+    """SHA-256 of the checkpoint file and of the base files a run reads (cached per process: the loaders reuse
+    them)."""
+    from mmkv.pipelines.wan.loaders import base_files, find_checkpoint
+
+    return {"ckpt_sha256": sha256_file(find_checkpoint(args.ckpt)),
+            "base_sha256": sha256_tree(args.base, base_files(args.base))}
 
 
 def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: CodecSpec | None,
@@ -299,7 +369,14 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
     denoise_seconds = time.perf_counter() - t0
     blocks.close()
     t1 = time.perf_counter()
-    frames = pipe.decode(result.latents)[0]
+    try:
+        reason = nonfinite_outputs({"latents": result.latents})
+        if reason:
+            raise NonFiniteError(reason)
+        frames = pipe.decode(result.latents)[0]
+    except NonFiniteError as err:
+        return failure_record("video", item, index, variant, None if spec is None else spec.preset,
+                              "non-finite output", str(err), noise_sha256=noise.sha256, rank=rank)
     decode_seconds = time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     budget = args.kv_budget_bytes

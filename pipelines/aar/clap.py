@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ def load_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     if path.suffix.lower() in FFMPEG_SUFFIXES:
         data, sr = _load_with_ffmpeg(path)
     else:
+        check_wav_length(path)
         try:
             data, sr = sf.read(str(path), dtype="float32", always_2d=True)
         except Exception as err:  # libsndfile raises LibsndfileError/RuntimeError/TypeError depending on the damage
@@ -119,6 +121,34 @@ def load_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     if not np.isfinite(data).all():
         raise ClipError(f"clip {path} has NaN/Inf samples")
     return data.mean(axis=1, dtype=np.float64).astype(np.float32), int(sr)
+
+
+def check_wav_length(path: str | os.PathLike) -> None:
+    """Refuse a RIFF/WAVE file whose `data` chunk declares more sample bytes than the file holds: a copy cut short.
+    libsndfile reads what is there without a word, so a 2 s clip would silently condition as a few milliseconds.
+    Other files, and WAVs written as streams (declared length 0 or 0xFFFFFFFF: unknown), are left to the decoder."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if len(head) < 12 or head[:4] not in (b"RIFF", b"RIFX") or head[8:12] != b"WAVE":
+            return
+        order = "<" if head[:4] == b"RIFF" else ">"
+        pos, block_align = 12, 0
+        while pos + 8 <= size:
+            f.seek(pos)
+            chunk, length = struct.unpack(order + "4sI", f.read(8))
+            if chunk == b"fmt " and length >= 14:
+                block_align = struct.unpack(order + "H", f.read(14)[12:14])[0]
+            elif chunk == b"data":
+                present = size - pos - 8
+                if length in (0, 0xFFFFFFFF) or length <= present:
+                    return
+                unit = f"{length // block_align} frames" if block_align else f"{length} bytes"
+                have = f"{present // block_align} frames" if block_align else f"{present} bytes"
+                raise ClipError(f"clip {path} is truncated: its WAV header declares {unit} of audio but the file "
+                                f"holds only {have} ({size} bytes in all); copy or export it again")
+            pos += 8 + length + (length & 1)  # chunks are padded to an even length
 
 
 def _load_with_ffmpeg(path: Path) -> tuple[np.ndarray, int]:

@@ -2,8 +2,8 @@
 
 Container format (audio.md §6.1): `torch.load(path)['model_state_dict']` for AAR and `['generator_state_dict']` for
 SAT, keys possibly prefixed `module.` (saved from DDP); a bare state dict and `.safetensors` files are accepted too.
-Pickles are read with `weights_only=True`; only an explicit `trusted=True` (CLI `--trusted-checkpoint`) falls back to
-full unpickling, for files that pickle numpy scalars.
+Pickles are read with `weights_only=True` and never fully unpickled (`read_checkpoint_file`): numpy scalars and an
+`argparse.Namespace` beside the weights are read as data; any other pickled object is refused, naming it.
 
 Weight norm: the model keeps the legacy `weight_g` / `weight_v` names; files written with the modern
 parametrization (`parametrizations.weight.original0/1`) or with folded `weight`s are mapped onto them.
@@ -24,6 +24,7 @@ import torch
 
 from mmkv.pipelines.aar.model import AAR, AARConfig, build_aar
 from mmkv.pipelines.aar.sat import SAT, SATConfig, build_sat
+from mmkv.pipelines.common import check_finite, read_checkpoint_file
 
 AAR_CONTAINER_KEY = "model_state_dict"
 SAT_CONTAINER_KEY = "generator_state_dict"
@@ -41,27 +42,10 @@ class CheckpointError(ValueError):
 # Reading
 
 
-def read_state_dict(path: str | os.PathLike, container_key: str, *, trusted: bool = False) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | os.PathLike, container_key: str) -> dict[str, torch.Tensor]:
     """The state dict inside a checkpoint file: `obj[container_key]` or a bare state dict, `module.` stripped."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            obj: Any = load_file(str(path), device="cpu")
-        except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"checkpoint {path}: not a readable safetensors file ({err})") from None
-    else:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=not trusted)
-        except Exception as err:
-            hint = "" if trusted else (
-                " If the file is from a source you trust and pickles non-tensor objects (e.g. numpy scalars), "
-                "pass --trusted-checkpoint to unpickle it fully."
-            )
-            raise CheckpointError(f"checkpoint {path}: cannot be loaded ({type(err).__name__}: {err}).{hint}") from None
+    obj: Any = read_checkpoint_file(path, error=CheckpointError)
     if isinstance(obj, dict) and container_key in obj:
         obj = obj[container_key]
     if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -204,12 +188,13 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str, 
         raise CheckpointError("; ".join(parts))
     # Keep the stored dtypes of integer buffers (lvl_1L) but make float tensors fp32: the reference is fp32.
     sd = {k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}
+    check_finite(sd, f"{what} checkpoint {path}", allow_inf=(name for name, _ in model.named_buffers()))
     model.load_state_dict(sd, strict=True, assign=True)
 
 
-def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *, device: torch.device | str = "cpu",
-             trusted: bool = False) -> AAR:
-    sd = read_state_dict(path, AAR_CONTAINER_KEY, trusted=trusted)
+def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *,
+             device: torch.device | str = "cpu") -> AAR:
+    sd = read_state_dict(path, AAR_CONTAINER_KEY)
     cfg = config or infer_aar_config(sd, path)
     model = build_aar(cfg, "meta")
     load_strict(model, sd, "AAR", path)
@@ -217,8 +202,8 @@ def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *, device
 
 
 def load_sat(path: str | os.PathLike, config: SATConfig | None = None, *, multi_scale: tuple[int, ...] | None = None,
-             device: torch.device | str = "cpu", trusted: bool = False) -> SAT:
-    sd = read_state_dict(path, SAT_CONTAINER_KEY, trusted=trusted)
+             device: torch.device | str = "cpu") -> SAT:
+    sd = read_state_dict(path, SAT_CONTAINER_KEY)
     if config is None:
         if multi_scale is None:
             raise CheckpointError(f"SAT checkpoint {path}: the scale schedule is not stored in the SAT; pass the AAR's")
@@ -270,11 +255,11 @@ def find_checkpoints(directory: str | os.PathLike, sat: str | os.PathLike | None
 
 
 def load_models(directory: str | os.PathLike, *, sat: str | os.PathLike | None = None,
-                device: torch.device | str = "cpu", trusted: bool = False) -> tuple[AAR, SAT, dict[str, Any]]:
+                device: torch.device | str = "cpu") -> tuple[AAR, SAT, dict[str, Any]]:
     """Load the AAR and its SAT from a directory and check that they belong together."""
     aar_path, sat_path = find_checkpoints(directory, sat)
-    aar = load_aar(aar_path, device=device, trusted=trusted)
-    sat_model = load_sat(sat_path, multi_scale=aar.patch_nums, device=device, trusted=trusted)
+    aar = load_aar(aar_path, device=device)
+    sat_model = load_sat(sat_path, multi_scale=aar.patch_nums, device=device)
     check_pair(aar, sat_model, aar_path, sat_path)
     info = {"aar_path": str(aar_path), "sat_path": str(sat_path),
             "aar_config": aar.config.to_dict(), "sat_config": sat_model.config.to_dict()}

@@ -1,30 +1,32 @@
-"""Loaders for CausVid / Causal Forcing checkpoints and the base Wan2.1 directory. Local files only, no downloads.
+"""Loaders for CausVid / Causal Forcing / Self-Forcing checkpoints and the base Wan2.1 directory. Local files only,
+no downloads.
 
-* Causal DiT (video.md §5.3-5.5): a `.pt` holding {"generator": sd} (CausVid `model.pt`, also carrying "critic") or
-  {"generator_ema": sd} / {"generator": sd} (Causal Forcing), keys `model.` + original Wan names, possibly with FSDP
-  path segments; or a flat safetensors file. Keys are normalised, renamed to diffusers names (§5.5 table) and loaded
-  strictly: a wrong layout fails with the missing and unexpected keys listed, in original naming.
+* Causal DiT (video.md §5.3-5.5): a `.pt` holding {"generator": sd} (CausVid `model.pt`, also carrying "critic"),
+  {"generator_ema": sd} / {"generator": sd} (Causal Forcing), or all three of "generator", "critic" and
+  "generator_ema" (Self-Forcing's `self_forcing_dmd.pt`, written by its `trainer/distillation.py`; its
+  `inference.py --use_ema`, the command its README gives, loads "generator_ema"). Keys are `model.` + original Wan
+  names, possibly with FSDP path segments; or a flat safetensors file. Keys are normalised, renamed to diffusers
+  names (§5.5 table) and loaded strictly: a wrong layout fails with the missing and unexpected keys listed, in
+  original naming.
 * Base directory, original layout (§5.1): `config.json`, `Wan2.1_VAE.pth`, `models_t5_umt5-xxl-enc-bf16.pth`,
   `google/umt5-xxl/`; or diffusers layout (§5.2): `transformer/config.json`, `vae/`, `text_encoder/`, `tokenizer/`.
   The base DiT weights are never needed: the causal checkpoint holds all of them.
 
-Pickles are read with `torch.load(weights_only=True)`, which refuses to run code. Weights go to bf16 on GPU, fp32 on
-CPU.
+Pickles are read with `torch.load(weights_only=True)`, which never runs code (`read_checkpoint_file`). Weights go to
+bf16 on GPU, fp32 on CPU.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import re
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mmkv.pipelines.common import sha256_file
+from mmkv.pipelines.common import check_checkpoint_file, check_finite, read_checkpoint_file, sha256_file
 
 
 class LoadError(ValueError):
@@ -36,33 +38,8 @@ class LoadError(ValueError):
 
 
 def read_state_file(path: str | Path) -> Any:
-    """A safetensors file (flat dict) or a torch pickle read with weights_only=True (no code is executed)."""
-    path = Path(path)
-    if not path.is_file():
-        raise LoadError(f"checkpoint file {path} does not exist")
-    if path.stat().st_size == 0:
-        raise LoadError(f"checkpoint file {path} is empty")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(path), device="cpu")
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise LoadError(f"checkpoint file {path} is not a readable safetensors file: {err}") from None
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):  # legacy (non-zip) pickles cannot be memory-mapped
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise LoadError(
-            f"checkpoint file {path} holds pickled objects other than tensors and plain containers; refusing to "
-            f"execute pickled code (torch.load weights_only=True): {str(err).splitlines()[0]}"
-        ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
-        raise LoadError(f"checkpoint file {path} is corrupt or truncated ({type(err).__name__}: {err})") from None
+    """A safetensors file (flat dict) or a torch.save file read with weights_only=True (no code is executed)."""
+    return read_checkpoint_file(path, error=LoadError)
 
 
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -87,8 +64,9 @@ def normalize_keys(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def select_generator(obj: Any, path: Path, key: str | None = None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """(state dict, entry name) of the generator inside a training checkpoint: `key` if given, else `generator_ema`,
-    else `generator`; a flat dict of tensors is taken as is (entry None)."""
+    """(state dict, entry name) of the generator inside a training checkpoint: `key` if given, else `generator_ema`
+    (the EMA weights Causal Forcing and Self-Forcing run inference with), else `generator`; a flat dict of tensors is
+    taken as is (entry None). A `critic` entry (CausVid, Self-Forcing) is never loaded."""
     if not isinstance(obj, dict):
         raise LoadError(f"checkpoint file {path} holds a {type(obj).__name__}, expected a dict of tensors")
     if key is not None:
@@ -102,8 +80,8 @@ def select_generator(obj: Any, path: Path, key: str | None = None) -> tuple[dict
         key = "generator"
     else:
         raise LoadError(
-            f"checkpoint file {path} has neither 'generator_ema' nor 'generator' (CausVid / Causal Forcing "
-            f"layouts) nor flat tensors; top-level keys: {_preview(obj)}"
+            f"checkpoint file {path} has neither 'generator_ema' nor 'generator' (CausVid / Causal Forcing / "
+            f"Self-Forcing layouts) nor flat tensors; top-level keys: {_preview(obj)}"
         )
     sd = obj[key]
     if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -232,7 +210,24 @@ def read_dit_config(base: Path, layout: str) -> dict[str, Any]:
     if missing:
         raise LoadError(f"{path}: missing {missing}")
     cfg["patch_size"] = tuple(cfg.get("patch_size", (1, 2, 2)))
+    _check_head_dim(cfg, path, layout)
     return {**cfg, "text_len": text_len}
+
+
+def _check_head_dim(cfg: dict[str, Any], path: Path, layout: str) -> None:
+    """Wan's 3D RoPE splits a head into time / height / width parts, h = w = 2 * (d // 6) and t = d - h - w, each
+    rotated in pairs (diffusers' `WanRotaryPosEmbed` asserts even parts): d must be even, and at least 6 so that the
+    height and width parts are not empty. Checked here so a bad config is a one-line error, not an assertion."""
+    d, heads = cfg["attention_head_dim"], cfg["num_attention_heads"]
+    if isinstance(d, int) and d >= 6 and d % 2 == 0:
+        return
+    given = (f"dim {d * heads} / num_heads {heads}" if layout == "original" and isinstance(d, int)
+             else f"attention_head_dim {d!r}")
+    raise LoadError(
+        f"{path}: head dimension {d} ({given}) cannot be rotated by Wan's 3D RoPE, which needs an even head "
+        f"dimension of at least 6 (Wan2.1-T2V-1.3B: dim 1536 / 12 heads = 128); choose a config where "
+        f"dim / num_heads is an even number >= 6"
+    )
 
 
 def build_dit(config: dict[str, Any], state_dict: dict[str, torch.Tensor] | None = None, *, source: str = "",
@@ -268,16 +263,18 @@ def build_dit(config: dict[str, Any], state_dict: dict[str, torch.Tensor] | None
 
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint file: `path` itself, or the one `.pt`/`.pth`/`.safetensors` file in directory `path`
-    (`model.pt` preferred, as CausVid names it)."""
+    (`model.pt` preferred, as CausVid names it). A file of no checkpoint format fails here, before a run starts."""
     path = Path(path)
     if path.is_file():
+        check_checkpoint_file(path, error=LoadError)
         return path
     if not path.exists():
         raise LoadError(f"checkpoint path {path} does not exist")
     files = sorted(p for p in path.iterdir() if p.suffix in (".pt", ".pth", ".safetensors") and p.is_file())
     if (path / "model.pt").is_file():
-        return path / "model.pt"
+        files = [path / "model.pt"]
     if len(files) == 1:
+        check_checkpoint_file(files[0], error=LoadError)
         return files[0]
     if not files:
         raise LoadError(f"checkpoint directory {path} holds no .pt, .pth or .safetensors file")
@@ -289,11 +286,12 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_causal_dit(ckpt: str | Path, config: dict[str, Any], *, key: str | None = None,
                     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-    """(CausalWan, info) from a CausVid / Causal Forcing checkpoint file or directory."""
+    """(CausalWan, info) from a CausVid / Causal Forcing / Self-Forcing checkpoint file or directory."""
     path = find_checkpoint(ckpt)
     obj = read_state_file(path)
     raw, picked = select_generator(obj, path, key)
     sd = normalize_keys(raw)
+    check_finite(sd, f"checkpoint file {path}")
     dit = build_dit(config, sd, source=str(path), device=device, dtype=dtype)
     info = {"path": str(path.resolve()), "sha256": sha256_file(path), "entry": picked, "num_tensors": len(sd)}
     return dit, info
@@ -465,6 +463,21 @@ def load_text_encoder(base: Path, layout: str, *, device, dtype):
         raise LoadError(f"tokenizer folder {tok_folder} could not be loaded: {err}") from None
     encoder = encoder.to(device=device).eval().requires_grad_(False)
     return tokenizer, encoder, {"files": [_file_info(p) for p in files], "tokenizer": str(tok_folder.resolve())}
+
+
+def base_files(base: str | Path) -> list[Path]:
+    """The files of a base directory that a run reads (DiT config, VAE, umT5, tokenizer; not the base DiT weights,
+    which the causal checkpoint replaces): what its SHA-256 covers."""
+    base = Path(base)
+    if detect_layout(base) == "diffusers":
+        folders = [base / "vae", base / "text_encoder", base / "tokenizer"]
+        singles = [base / "transformer" / "config.json"]
+    else:
+        folders = [base / "google" / "umt5-xxl"]
+        singles = [base / "config.json", base / "Wan2.1_VAE.pth", base / "models_t5_umt5-xxl-enc-bf16.pth"]
+    files = [p for p in singles if p.is_file()]
+    files += [p for d in folders if d.is_dir() for p in sorted(d.rglob("*")) if p.is_file()]
+    return files
 
 
 def _file_info(path: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Flow-matching scheduler, the CausVid / Causal Forcing presets, and the block-autoregressive loop.
+"""Flow-matching scheduler, the CausVid / Causal Forcing / Self-Forcing presets, and the block-autoregressive loop.
 
 The loop is video.md §3.2-3.3: per block of `frames_per_block` latent frames, denoise with the preset's timesteps
 (re-noising the x0 prediction with fresh noise between steps), keep the last x0, then run one `commit` pass on that x0
@@ -120,6 +120,11 @@ PRESETS: dict[str, Preset] = {
                source="CF configs/causal_forcing_dmd_framewise_2step.yaml (Causal Forcing++)"),
         Preset("causal-forcing-frame-1step", 1, (1000,), 5.0, True, first_block_steps=_CF_4,
                source="CF configs/causal_forcing_dmd_framewise_1step.yaml (Causal Forcing++)"),
+        # Self-Forcing (Huang et al. 2025) trains and samples chunk-wise: the recipe of Causal Forcing's chunk-wise
+        # preset, under its own name so a run says which model it rendered.
+        Preset("self-forcing", 3, _CF_4, 5.0, True,
+               source="Self-Forcing configs/self_forcing_dmd.yaml (num_frame_per_block 3, warp_denoising_step, "
+                      "timestep_shift 5)"),
     )
 }
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mmkv.cache import CacheConfig, KVStore
-from mmkv.pipelines.common import NoiseStream
+from mmkv.pipelines.common import NoiseStream, NonFiniteError, RunError, nonfinite_outputs
 from mmkv.pipelines.wan.loaders import WanComponents, latent_latents_stats, vae_factors
 from mmkv.pipelines.wan.loop import Preset, RolloutResult, rollout
 
@@ -88,17 +88,28 @@ def local_attn_size(attention_window: int | None, sink: int, frames_per_block: i
     return None if attention_window is None else attention_window + sink + frames_per_block
 
 
-def clean_prompt(text: str) -> str:
-    """Wan's `whitespace` cleaning (CF wan/modules/tokenizers.py): ftfy (when installed), HTML unescape, collapse
-    whitespace."""
+def _ftfy():
     try:
         import ftfy
-
-        text = ftfy.fix_text(text)
     except ImportError:
-        pass
+        raise RunError("prompts are cleaned with ftfy, as the original Wan tokenizer does, but ftfy is not "
+                           "installed: pip install 'ftfy~=6.3.1' (a dependency of mmkv)") from None
+    return ftfy
+
+
+def clean_prompt(text: str) -> str:
+    """Wan's `whitespace` cleaning (CF wan/modules/tokenizers.py): ftfy.fix_text, HTML unescape twice, collapse
+    whitespace. Always with ftfy, like the original: without it curly quotes or mojibake reach the tokenizer as other
+    token ids than upstream's."""
+    text = _ftfy().fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return re.sub(r"\s+", " ", text).strip()
+
+
+def prompt_cleaning() -> dict[str, str]:
+    """How prompts were cleaned before tokenizing, for the run manifest."""
+    return {"steps": "ftfy.fix_text, html.unescape x2, whitespace collapsed (Wan tokenizers.py whitespace clean)",
+            "ftfy": _ftfy().__version__}
 
 
 class WanVideoPipeline:
@@ -161,7 +172,11 @@ class WanVideoPipeline:
         mean, std = latent_latents_stats(vae, latents.device, torch.float32)
         z = latents.permute(0, 2, 1, 3, 4).float()
         z = z * std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
-        video = vae.decode(z.to(dtype)).sample.float().clamp(-1, 1)  # [B, 3, T, H, W]
+        video = vae.decode(z.to(dtype)).sample.float()  # [B, 3, T, H, W]
+        reason = nonfinite_outputs({"decoded frames": video})
+        if reason:  # the clamp and uint8 cast below would turn NaN into a black video that looks like a result
+            raise NonFiniteError(f"VAE decode: {reason}")
+        video = video.clamp(-1, 1)
         video = (video * 0.5 + 0.5).clamp(0, 1)
         frames = (video * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
         return frames.cpu().numpy()

@@ -8,8 +8,8 @@ a character-level tokenizer built with `tokenizers` (no sentencepiece model to d
 private generator with fan-in scaling so activations are O(1) and the head is not zero (the original zero-inits it,
 video.md §2.1). `kv_sensitive=True` (what `mmkv demo` uses) rescales that init so the output depends on attention
 over past frames and KV compression shows (`kv_sensitive_`). `write_tiny_base` writes a base directory in either
-layout; `write_causvid_checkpoint` and `write_causal_forcing_checkpoint` write the DiT in the two training-checkpoint
-wrappers (§5.3-5.4).
+layout; `write_causvid_checkpoint`, `write_causal_forcing_checkpoint` and `write_self_forcing_checkpoint` write the
+DiT in the three training-checkpoint wrappers (§5.3-5.4; Self-Forcing's `trainer/distillation.py` `save`).
 """
 
 from __future__ import annotations
@@ -149,6 +149,22 @@ def write_causal_forcing_checkpoint(transformer, path: str | Path, *, ema: bool 
     else:
         obj = {"generator": {"model." + k: v for k, v in sd.items()}}
     torch.save(obj, path)
+    return path
+
+
+def write_self_forcing_checkpoint(transformer, path: str | Path, *, seed: int = 0) -> Path:
+    """Self-Forcing `self_forcing_dmd.pt`: {"generator", "critic", "generator_ema"}, each `model.` + original key
+    (FSDP full state dicts, so no wrapper segments; Self-Forcing `trainer/distillation.py` `save`). `transformer` goes
+    to `generator_ema`, the entry inference runs; `generator` holds the same weights plus a small deterministic
+    perturbation, as training weights differ from their EMA, so a test can tell which entry was loaded."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sd = original_state_dict(transformer)
+    g = private_generator(seed, "tiny", "self-forcing-generator")
+    train = {k: v + 1e-3 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in sd.items()}
+    critic = {"model." + k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in list(sd.items())[:3]}
+    torch.save({"generator": {"model." + k: v for k, v in train.items()}, "critic": critic,
+                "generator_ema": {"model." + k: v for k, v in sd.items()}}, path)
     return path
 
 
@@ -294,13 +310,15 @@ def write_tiny_base(path: str | Path, layout: str = "diffusers", seed: int = 0) 
 
 def write_tiny_assets(root: str | Path, *, layout: str = "diffusers", seed: int = 0,
                       kv_sensitive: bool = False) -> dict[str, Path]:
-    """Everything `mmkv generate video` needs, tiny: a base directory, a CausVid `model.pt` folder and a Causal
-    Forcing `.pt` of the same DiT (`kv_sensitive`: see `kv_sensitive_`). Use with `--frames 33 --height 32
-    --width 48` (frame-wise presets: 17 frames)."""
+    """Everything `mmkv generate video` needs, tiny: a base directory, a CausVid `model.pt` folder, a Causal Forcing
+    `.pt` and a Self-Forcing `.pt` of the same DiT (`kv_sensitive`: see `kv_sensitive_`). Use with `--frames 33
+    --height 32 --width 48` (frame-wise presets: 17 frames)."""
     root = Path(root)
     transformer = tiny_transformer(seed, kv_sensitive=kv_sensitive)
     return {
         "base": write_tiny_base(root / f"base_{layout}", layout, seed=seed),
         "causvid": write_causvid_checkpoint(transformer, root / "causvid" / "model.pt").parent,
         "causal_forcing": write_causal_forcing_checkpoint(transformer, root / "causal_forcing" / "framewise.pt"),
+        "self_forcing": write_self_forcing_checkpoint(transformer, root / "self_forcing" / "self_forcing_dmd.pt",
+                                                      seed=seed),
     }
