@@ -3,11 +3,19 @@ a text context (video.md §8)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-# Model code is imported inside the fixtures: a conftest is imported before every test module, and some modules must
-# set TRITON_INTERPRET before anything imports triton.
+# One Triton mode per pytest process, chosen before any test module imports a kernel (a kernel is interpreted or
+# compiled from the moment its module is imported). Without CUDA the interpreter runs the kernels on CPU tensors (what
+# CI tests). With CUDA they compile: the gpu-marked tests run them (`pytest -m gpu`) and the interpreter-only modules
+# skip, instead of turning every kernel of the process into the interpreter's; TRITON_INTERPRET=1 runs those instead.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+# Model code is imported inside the fixtures: a conftest is imported before every test module, and some modules
+# read TRITON_INTERPRET before anything imports triton.
 
 
 @pytest.fixture(scope="module")

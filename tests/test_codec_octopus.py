@@ -94,12 +94,13 @@ def test_xi_codebooks_have_the_reference_distortion():
             assert abs(mse_ours / mse_ref - 1) < 2e-3, (d, bits, mse_ours, mse_ref)
 
 
-def test_codebooks_rebuild_bit_identically():
+def test_codebooks_rebuild_within_tolerance():
     shipped = json.loads((codebooks.DATA_DIR / "octopus.json").read_text())["codebooks"]
     assert set(shipped) == set(oct_mod.codebook_keys())
     oct_mod.marginal_samples.cache_clear()
-    for key in ("d16_xi3", "d16_xi7", "d16_rho2", "d16_rho0", "d32_xi4", "d32_rho1"):  # the CLI --check does all
-        assert oct_mod.octopus_codebook(key) == shipped[key], key
+    keys = ("d16_xi3", "d16_xi7", "d16_rho2", "d16_rho0", "d32_xi4", "d32_rho1")  # the CLI --check does all
+    fresh = {key: oct_mod.octopus_codebook(key) for key in keys}
+    assert codebooks.differences(fresh, {key: shipped[key] for key in keys}) == []
     oct_mod.marginal_samples.cache_clear()
 
 
@@ -166,16 +167,43 @@ def test_rotated_domain_score_and_value_paths(name):
     torch.testing.assert_close(codec.rotate_query(q) @ codec.decode_rotated(enc).transpose(-1, -2), ref, atol=2e-4, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["octopus", "octopus-qjl"])
 def test_cuda_matches_cpu(name):
-    codec = build(f"{name}:b=3", head_dim=128, num_heads=2)
-    x = _keys(256, 128, "cuda", heads=2)
+    """The Triton kernels on CUDA against the CPU reference. Head dim 32 keeps the compile short (the encoder unrolls
+    its triplet loops over D: ~70 s at D = 128, minutes with QJL); D = 128 is compared under the interpreter
+    (tests/test_kernels_codec.py) and runs on CUDA in tests/test_cuda_memory.py. bf16 keys of 263 tokens in 2 heads
+    compile the same specialisations as tests/test_codecs_common.py's CUDA round trip, which then reuses them."""
+    from mmkv.codecs.packing import unpack_bits
+
+    d, t = 32, 263
+    codec = build(f"{name}:b=3", head_dim=d, num_heads=2)
+    x = _keys(t, d, "cuda", heads=2).to(torch.bfloat16)
     cpu, gpu = codec.encode(x), codec.encode(x.cuda())
     assert gpu.device.type == "cuda" and codec.decode(gpu).device.type == "cuda"
-    for key in cpu.tensors:  # fp32 math differs in the last ulp, which may flip a rare boundary case
-        mismatch = (cpu.tensors[key].float() != gpu.tensors[key].cpu().float()).float().mean().item()
-        assert mismatch < 1e-3, key
+    assert list(gpu.tensors) == list(cpu.tensors)
+    gpu_cpu = gpu.to("cpu")
+    # gamma = ||k|| sums d squares in another order on each device: a sum in any order, then a square root, lie
+    # (d + 1) unit roundoffs apart at most (27-62% of the norms differ in their last bits on an H200)
+    torch.testing.assert_close(gpu_cpu.tensors["gamma"], cpu.tensors["gamma"], rtol=(d + 1) * 2.0**-24, atol=0)
+
+    def codes(enc, key, width, per_token):
+        return unpack_bits(enc.tensors[key], width, t * per_token).reshape(2, t, per_token)
+
+    # A code moves only where u or the norm lands within rounding of a cell boundary: a few tokens at most.
+    moved = torch.zeros(2, t, dtype=torch.bool)
+    for key, width in (("dir", 2 * codec.dir_bits), ("rho", codec.rho_bits)):
+        moved |= (codes(gpu_cpu, key, width, codec.n_t) != codes(cpu, key, width, codec.n_t)).any(-1)
+    assert int(moved.sum()) <= 2, f"codes of {int(moved.sum())} of {2 * t} tokens differ"
+    if name == "octopus-qjl":  # on the other tokens the residual's signs and fp16 norm agree up to rounding
+        flips = codes(gpu_cpu, "qjl", 1, d) != codes(cpu, "qjl", 1, d)
+        assert int(flips[~moved].sum()) <= 2
+        far = ~torch.isclose(gpu_cpu.tensors["rnorm"].float(), cpu.tensors["rnorm"].float(), rtol=2.0**-10, atol=0)
+        assert int(far[~moved].sum()) <= 2
+    # the decode kernel on the GPU's bytes against the reference decode of the same bytes, then the two encodings
+    torch.testing.assert_close(codec.decode(gpu, torch.float32).cpu(), codec.decode(gpu_cpu, torch.float32),
+                               rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(codec.decode(gpu).cpu(), codec.decode(cpu), atol=0.05, rtol=0)
 
 

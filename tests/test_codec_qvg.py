@@ -3,7 +3,11 @@ bit accounting, its quantiser edge cases, and the Triton kernels (`kernels/qvg_*
 
 The independent computation shares only the seed contract with the codec (init indices drawn from
 `private_generator(seed, "qvg-kmeans-init", layer, stage)`); distances, means, residuals and the quantiser are written
-again in numpy, so equal ids, centres, codes and reconstructions mean the codec computes what qvg.md §2-3 says.
+again in numpy. Distances are dot products whose summation order belongs to the BLAS (torch's AVX2 or AVX-512 kernels,
+numpy's, the kernel's `tl.dot`), so an id may flip at a near-tie and the flip carries into every later iteration:
+the codec is checked step by step on its own assignments instead (each id within 1e-5 of the nearest distance, each
+centre exactly the bf16 mean of its ids, the early stop as released, then codes, scales and the reconstruction bit
+for bit), and only its reconstruction error is compared with the free-running independent computation (within 2%).
 """
 
 from __future__ import annotations
@@ -94,28 +98,141 @@ def _rel_err(recon: np.ndarray, x: torch.Tensor) -> float:
     return float(((recon - xf) ** 2).sum() / (xf**2).sum())
 
 
+# Step-by-step checks of one encode on its own k-means trajectory. They hold on any machine: everything compared
+# exactly is elementwise IEEE arithmetic, order-independent maxima or exact fp64 sums; the one order-dependent
+# quantity, the distance, is held to 1e-5 of (||x||^2 + ||c||^2), ~100x the fp32 rounding of the expansion.
+NEAREST_RTOL = 1e-5
+
+
+def traced_encode(codec, x: torch.Tensor, assign=None, quantize=None):
+    """`codec.encode_with(x, assign, quantize)` (default: the reference's functions), recording every assignment call
+    as (points, centres, ids); the recording only reads the tensors, so the bytes are those of the plain encode."""
+    trace = []
+
+    def recording(points, centroids, x_sq, c_sq):
+        ids = (assign or Q.assign_reference)(points, centroids, x_sq, c_sq)
+        trace.append((points, centroids, ids))
+        return ids
+
+    enc = codec.encode_with(x, recording, quantize or codec._quantize_reference)
+    enc.shape, enc.dtype, enc.codec = tuple(x.shape), x.dtype, str(codec.config)
+    return enc, trace
+
+
+def assert_nearest(points: np.ndarray, cents: np.ndarray, ids: np.ndarray) -> None:
+    """Every id's distance (fp64, from the exact fp32 / bf16 inputs) is within NEAREST_RTOL of the nearest one."""
+    x, c = points.astype(np.float64), cents.astype(np.float64)
+    x_sq, c_sq = (x * x).sum(-1), (c * c).sum(-1)
+    dist = x_sq[..., None] + c_sq[..., None, :] - 2 * np.matmul(x, np.swapaxes(c, -1, -2))
+    chosen = np.take_along_axis(dist, ids[..., None], -1)[..., 0]
+    gap = chosen - dist.min(-1)
+    bound = NEAREST_RTOL * (x_sq + np.take_along_axis(c_sq, ids, -1))
+    assert (gap <= bound).all(), f"{int((gap > bound).sum())} ids are not the nearest centre (worst gap {gap.max():g})"
+
+
+def mean_update(points: np.ndarray, ids: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Cluster means in fp64 -> fp32 -> bf16; an empty cluster keeps its centre (the release's kmeans_euclid.py)."""
+    p_count, k, d = old.shape
+    new = old.copy()
+    for p in range(p_count):
+        sums = np.zeros((k, d))
+        np.add.at(sums, ids[p], points[p].astype(np.float64))
+        count = np.bincount(ids[p], minlength=k)
+        new[p] = np.where(count[:, None] > 0, _bf16((sums / np.maximum(count, 1)[:, None]).astype(np.float32)), old[p])
+    return new
+
+
+def quantize_np(r: np.ndarray, bits: int, block: int, asymmetric: bool):
+    """`Q.quantize_residual` written again in numpy: (codes int64, scales E4M3, zeros E4M3 or None, dequantised)."""
+    p_count, n, d = r.shape
+    rb = r.reshape(p_count, n, d // block, block)
+
+    def e4m3(v):
+        return torch.from_numpy(np.ascontiguousarray(np.clip(v, -448, 448), dtype=np.float32)).to(torch.float8_e4m3fn)
+
+    def round_away(y):
+        a = np.abs(y)
+        t = np.floor(a)
+        return np.sign(y) * (t + (a - t >= 0.5))
+
+    if asymmetric:
+        levels = 2**bits - 1
+        mn, mx = rb.min(-1), rb.max(-1)
+        scales, zeros = e4m3(np.maximum((mx - mn) / np.float32(levels), np.float32(1e-10))), e4m3(mn)
+        s, z = scales.float().numpy()[..., None], zeros.float().numpy()[..., None]
+        q = np.where(s > 0, np.clip(round_away((rb - z) / np.where(s > 0, s, 1)), 0, levels), 0).astype(np.float32)
+        return q.reshape(p_count, n, d).astype(np.int64), scales, zeros, (q * s + z).reshape(p_count, n, d)
+    qmax = 2 ** (bits - 1) - 1
+    scales = e4m3(np.maximum(np.abs(rb).max(-1) / np.float32(qmax), np.float32(1e-10)))
+    s = scales.float().numpy()[..., None]
+    q = np.where(s > 0, np.clip(round_away(rb / np.where(s > 0, s, 1)), -qmax, qmax), 0).astype(np.float32)
+    return (q + qmax).reshape(p_count, n, d).astype(np.int64), scales, None, (q * s).reshape(p_count, n, d)
+
+
+def check_trace(codec, x4: torch.Tensor, enc, trace) -> np.ndarray:
+    """Replay one encode of x4 [B, H, N, D] from its trace and assert each step; returns the reconstruction."""
+    *lead, n, d = x4.shape
+    p_count = int(np.prod(lead))
+    assert d % codec.block == 0
+    work = Q.work_dtype(x4.dtype)
+    r = x4.reshape(p_count, n, d).to(work).float().numpy()
+    stages = []
+    for call in trace:  # one kmeans call per stage, every assignment of a stage on the same points tensor
+        if not stages or call[0] is not stages[-1][0][0]:
+            stages.append([])
+        stages[-1].append(call)
+    assert len(stages) == codec.stages
+    centres = []  # C_s[id_s] per stage, which decode adds to the residual in stage order
+    for st, calls in enumerate(stages):
+        points = calls[0][0].float().numpy()
+        assert np.array_equal(points, r), f"stage {st}: its points are not the previous stage's residual"
+        idx = torch.randint(0, n, (p_count, codec.centroids),
+                            generator=private_generator(codec.seed, "qvg-kmeans-init", codec.layer, st))
+        assert np.array_equal(calls[0][1].float().numpy(), _bf16(np.take_along_axis(r, idx.numpy()[..., None], 1)))
+        prev_ids = prev_c = None
+        stop = False
+        for i, (_, c_t, ids_t) in enumerate(calls):
+            c, ids = c_t.float().numpy(), ids_t.numpy()
+            assert not stop, f"stage {st}: an iteration ran after the early stop"
+            assert_nearest(points, c, ids)
+            if i:
+                assert np.array_equal(c, mean_update(points, prev_ids, prev_c)), f"stage {st}, iteration {i}"
+                stop = (ids != prev_ids).mean() < codec.tol
+            prev_ids, prev_c = ids, c
+        final = prev_c if stop else mean_update(points, prev_ids, prev_c)  # early stop: pre-update centres
+        assert stop or len(calls) == codec.iters
+        assert enc.meta["kmeans_iters"][st] == len(calls)
+        assert np.array_equal(enc.tensors["ids"][st].reshape(p_count, n).long().numpy(), prev_ids)
+        assert np.array_equal(enc.tensors["centroids"][st].reshape(p_count, -1, d).float().numpy(), final)
+        gathered = np.take_along_axis(final, prev_ids[..., None], 1)
+        r = torch.from_numpy(points - gathered).to(work).float().numpy()
+        centres.append(gathered)
+    codes, scales, zeros, recon = quantize_np(r, codec.bits, codec.block, codec.asymmetric)
+    assert np.array_equal(unpack_bits(enc.tensors["codes"], codec.bits, n * d).reshape(p_count, n, d).numpy(), codes)
+    assert torch.equal(enc.tensors["scales"].reshape(p_count, n, -1).view(torch.uint8), scales.view(torch.uint8))
+    if zeros is not None:
+        assert torch.equal(enc.tensors["zeros"].reshape(p_count, n, -1).view(torch.uint8), zeros.view(torch.uint8))
+    for gathered in centres:
+        recon = recon + gathered
+    assert np.array_equal(codec.decode(enc, torch.float32).reshape(p_count, n, d).numpy(), recon)
+    return recon
+
+
 def _compare_with_independent(x4: torch.Tensor, preset: str, seed: int, layer: int):
-    """Encode [B, H, N, D] with the codec and the independent computation; assert they agree."""
+    """Encode [B, H, N, D] with the codec; check it step by step (`check_trace`), and its reconstruction error against
+    the free-running independent computation from the same init."""
     b, h, n, d = x4.shape
     codec = build(preset, head_dim=d, num_heads=h, seed=seed, layer=layer)
     enc = codec.encode(x4)
-    y = codec.decode(enc, torch.float32).reshape(b * h, n, d).numpy()
-    recon, ids, cents, codes, scales = independent_qvg(
+    traced, trace = traced_encode(codec, x4)
+    assert all(torch.equal(enc.tensors[k].view(torch.uint8), traced.tensors[k].view(torch.uint8)) for k in enc.tensors)
+    y = check_trace(codec, x4, enc, trace)
+    recon, *_ = independent_qvg(
         x4.reshape(b * h, n, d), seed=seed, layer=layer, k=codec.centroids, iters=codec.iters, tol=codec.tol,
         bits=codec.bits, block=codec.block, stages=codec.stages,
     )
     x3 = x4.reshape(b * h, n, d)
-    # reconstruction error of the same algorithm, and (up to summation-order near-ties in the distances) the same
-    # ids, centres, codes and E4M3 scales
-    assert _rel_err(y, x3) == pytest.approx(_rel_err(recon, x3), rel=1e-4)
-    for st in range(codec.stages):
-        assert (enc.tensors["ids"][st].reshape(b * h, n).long().numpy() == ids[st]).mean() >= 0.999
-        assert (enc.tensors["centroids"][st].reshape(b * h, -1, d).float().numpy() == cents[st]).mean() >= 0.999
-    got_codes = unpack_bits(enc.tensors["codes"], codec.bits, n * d).reshape(b * h, n, d).numpy()
-    assert (got_codes == codes).mean() >= 0.999
-    assert (enc.tensors["scales"].reshape(b * h, n, -1).view(torch.uint8) == scales.view(torch.uint8)).float().mean() \
-        >= 0.999
-    assert (y == recon).mean() >= 0.999
+    assert _rel_err(y, x3) == pytest.approx(_rel_err(recon, x3), rel=0.02)
     return codec, enc, _rel_err(y, x3)
 
 
@@ -147,7 +264,9 @@ def test_bits_follow_the_spec_formula(preset, expect):
 
 
 def test_stages_and_fp32_input_match_independent_computation():
-    x = kv_like((1, 2, 300, 64), seed=3, dtype=torch.float32)
+    # 1200 tokens: on 300, one near-tie flip moves a 10-point cluster's mean enough that two equally valid
+    # trajectories end 2% apart in error (seen between torch's default and AVX2 paths); here they stay within 0.2%.
+    x = kv_like((1, 2, 1200, 64), seed=3, dtype=torch.float32)
     _, enc, err2 = _compare_with_independent(x, "qvg:bits=2,centroids=32,block=32,stages=2,iters=4", seed=1, layer=0)
     _, _, err1 = _compare_with_independent(x, "qvg:bits=2,centroids=32,block=32,stages=1,iters=4", seed=1, layer=0)
     assert err2 < err1  # progressive residual quantisation: a second stage lowers the error (qvg.md §3.1)
@@ -216,8 +335,7 @@ def test_kmeans_with_fixed_init_matches_lloyd():
     ids, cents, iters = Q.kmeans(pts, init, iters=50, tol=0.0)
     # a fixed point of Lloyd: every point sits with its nearest (bf16) centre and every non-empty centre is its
     # cluster's mean rounded to bf16
-    d = torch.cdist(pts.double(), cents.double())
-    assert (d.gather(-1, ids.unsqueeze(-1)).squeeze(-1) <= d.min(-1).values + 1e-6).all()
+    assert_nearest(pts.numpy(), cents.float().numpy(), ids.numpy())
     for p in range(2):
         for c in ids[p].unique():
             mean = pts[p][ids[p] == c].double().mean(0).float().to(torch.bfloat16)
@@ -315,8 +433,8 @@ def test_empty_span_is_refused():
 
 def _kernels():
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET is not 1 and there is no GPU")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py: on CUDA the kernels run compiled elsewhere
+        pytest.skip("interpreter tests: run with TRITON_INTERPRET=1")
     from triton.runtime.interpreter import InterpretedFunction
 
     names = ["common", "packing", "qvg_assign", "qvg_encode", "qvg_decode"]
@@ -354,15 +472,30 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     (torch.float32, "qvg:bits=4,centroids=8,block=32,stages=2,asymmetric=true"),
     (torch.float16, "qvg:bits=2,centroids=20,block=32,stages=0"),
 ])
-def test_kernels_encode_and_decode_bit_identical_to_reference(dtype, preset):
+def test_kernels_encode_and_decode_match_reference(dtype, preset):
     k = _kernels()
     codec = build(preset, head_dim=32, num_heads=3, seed=1, layer=2)
     assert k["qvg_encode"].supports(codec)
     x = kv_like((2, 3, 45, 32), seed=9, dtype=dtype)  # 45 tokens: a partial token block
-    ref, ker = codec._encode(x), k["qvg_encode"].encode(codec, x)
-    assert ref.tensors.keys() == ker.tensors.keys()
+    ref = codec._encode(x)
+
+    def fused(residual, last):
+        return k["qvg_encode"].quant_pack(codec, residual, last)
+
+    # The fused subtract + quantise + pack kernel on the reference's own k-means (torch computed ids and centres for
+    # both sides): codes, scales and zeros bit for bit.
+    same_ids = codec.encode_with(x, Q.assign_reference, fused)
+    assert ref.tensors.keys() == same_ids.tensors.keys()
     for key in ref.tensors:
-        assert _same(ref.tensors[key], ker.tensors[key]), key
+        assert _same(ref.tensors[key], same_ids.tensors[key]), key
+    # The whole kernel encode, Triton assignment included: its dot products sum in another order than torch.bmm, so
+    # ids may differ from the reference's at near-ties; each step is the algorithm's, checked on its own trajectory.
+    ker = k["qvg_encode"].encode(codec, x)
+    traced, trace = traced_encode(codec, x, k["qvg_assign"].assign, fused)
+    assert ker.tensors.keys() == ref.tensors.keys()
+    for key, t in ker.tensors.items():
+        assert _same(t, traced.tensors[key]) and (t.shape, t.dtype) == (ref.tensors[key].shape, ref.tensors[key].dtype)
+    check_trace(codec, x, traced, trace)
     ref.shape, ref.dtype, ref.codec = tuple(x.shape), dtype, str(codec.config)
     for out in (dtype, torch.float32):
         assert torch.equal(k["qvg_decode"].decode(codec, ref, out), codec._decode(ref).to(out))
@@ -378,6 +511,7 @@ def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
     args = (pts, cents, Q.sq_norms(pts), Q.sq_norms(cents))
     ids_k, ids_r = k["qvg_assign"].assign(*args), Q.assign_reference(*args)
     assert (ids_k == ids_r).float().mean() >= 0.99  # only summation-order near-ties may differ
+    assert_nearest(pts.numpy(), cents.float().numpy(), ids_k.numpy())
     # E4M3 by hand (round to nearest even, subnormals, +-448) == torch's cast, both ways
     globals().update(_E4M3_ROUND=k["qvg_encode"].e4m3_round, _E4M3_VALUE=k["qvg_decode"].e4m3_value)
     v = (torch.randn(1024, generator=gen(12)) * torch.logspace(-5, 2.7, 1024)).clamp(-448, 448)

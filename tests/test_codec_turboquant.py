@@ -57,15 +57,16 @@ def test_codebook_matches_spec_table(d, b):
     assert d * quantizer_mse(mid, c, beta_pdf(d)(mid)) == pytest.approx(dc, abs=1e-5)  # spec prints 5 decimals
 
 
-def test_codebook_file_has_every_key_and_regenerates_bit_identically():
+def test_codebook_file_has_every_key_and_regenerates_within_tolerance():
     import json
 
     shipped = json.loads((codebooks.DATA_DIR / "turboquant.json").read_text())
     assert shipped["family"] == "turboquant"
     assert sorted(shipped["codebooks"]) == sorted(f"d{d}_b{b}" for d in CODEBOOK_DIMS for b in CODEBOOK_BITS)
-    # A full `mmkv codebooks build --check` re-renders all 30 keys (~10 s); two keys re-render exactly here.
-    for key in ("d128_b3", "d16_b6"):
-        assert codebooks.compute("turboquant", key) == shipped["codebooks"][key]
+    # A full `mmkv codebooks build --check` re-renders all 30 keys (~15 s); two keys re-render here. The last bits
+    # depend on the machine's SIMD paths (d128_b3 moves by 7e-14 between AVX2 and AVX-512), hence the tolerance.
+    fresh = {key: codebooks.compute("turboquant", key) for key in ("d128_b3", "d16_b6")}
+    assert codebooks.differences(fresh, {key: shipped["codebooks"][key] for key in fresh}) == []
 
 
 def test_codebook_for_unshipped_dim_is_computed():

@@ -24,7 +24,8 @@ import torch
 
 from mmkv.cache import CacheConfig, KVStore
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the allocator's peak)")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the allocator's peak)")]
 
 HEADS, DIM, FRAME, FPB, BLOCKS, LAYERS = 12, 128, 1560, 3, 7, 6
 CODECS = ["octopus:b=2", "oscar:bits=2,group=32", "turboquant-mse:b=2", "kivi:bits=2,group=32", "qvg:bits=2"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels then run on CPU tensors
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels then run on CPU tensors
 
 import argparse  # noqa: E402
 import time  # noqa: E402
@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1":  # tests/conftest.py: compiled kernels (CUDA) run the gpu-marked tests
+    pytest.skip("interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 
 import mmkv.attention as attn  # noqa: E402
 from mmkv.attention import Segment  # noqa: E402

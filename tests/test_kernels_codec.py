@@ -27,8 +27,8 @@ from mmkv.codecs import CodecError, build  # noqa: E402
 from mmkv.codecs.packing import pack_bits  # noqa: E402
 from mmkv.codecs.rotation import RandomizedHadamard, hadamard_transform  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is set to something other than 1 and there is no GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py: compiled kernels (CUDA) run the gpu-marked tests
+    pytest.skip("interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -203,8 +203,8 @@ def test_encode_matches_reference(preset, d, heads, t, dtype):
             ca, cb = _codes(codec, ref, name), _codes(codec, ker, name)
             moved = int((ca != cb).sum())
             assert moved <= max(2, ca.numel() // 1000), f"{name}: {moved} of {ca.numel()} codes differ"
-        else:  # norms: the same up to summation order (fp32) or its fp16 rounding
-            rtol = 1e-6 if a.dtype == torch.float32 else 1e-3
+        else:  # norms: d squares summed in another order, then a square root, are (d + 1) roundoffs apart at most
+            rtol = (d + 1) * 2.0**-24 if a.dtype == torch.float32 else 1e-3  # or one fp16 ulp
             torch.testing.assert_close(b, a, rtol=rtol, atol=0)
     # and what it stores reconstructs as well as the reference's own encoding
     xf = x.float()
