@@ -126,6 +126,9 @@ class SelfAttention(nn.Module):
             q = F.normalize(q, dim=-1).mul(scale_mul)
             k = F.normalize(k, dim=-1).to(q.dtype)
 
+        observer = getattr(self, "mmkv_observer", None)  # set by `mmkv.inspect.KVObserver.attach`; reads only
+        if observer is not None and self.caching:
+            observer(self.mmkv_layer, "commit", q, k, k, v)  # every cached AR step commits one scale; no RoPE
         store = getattr(self, "mmkv_store", None)
         if self.caching and store is not None:
             # One AR step = one scale = one store unit; the store keeps the residual window native and serves

@@ -39,6 +39,10 @@ class CausalState:
     num_frames: int = 0  # latent frames in this call (the commit pass appends this many units)
     mode: str = "denoise"
     attn_mask: torch.Tensor | None = None  # `full` mode only: bool [L, L], True = may attend
+    # `full` mode only: the RoPE time index of each latent frame of the call (None = start_frame, start_frame + 1,
+    # ...). Teacher forcing feeds [clean frames | noisy copies] and the copies reuse the clean frames' indices
+    # (Self-Forcing `wan/modules/causal_model.py`, `_prepare_teacher_forcing_mask`).
+    frame_positions: torch.Tensor | None = None
     cache_cross_attn: bool = True
     cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -88,9 +92,14 @@ class OffsetRoPE(nn.Module):
                 f"has {self.max_seq_len} positions (rope_max_seq_len)"
             )
         cos, sin = self._tables(hidden_states.device)
+        pos = self.state.frame_positions
+        if pos is not None and (pos.numel() != ppf or int(pos.min()) < 0 or int(pos.max()) >= self.max_seq_len):
+            raise ModelError(f"frame_positions must hold {ppf} indices in [0, {self.max_seq_len}), got "
+                             f"{pos.numel()} in [{int(pos.min())}, {int(pos.max())}]")
 
         def grid(tables):
-            t = tables[0][s:s + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1)
+            t = tables[0][s:s + ppf] if pos is None else tables[0][pos.to(tables[0].device)]
+            t = t.view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1)
             h = tables[1][:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1)
             w = tables[2][:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)
             return torch.cat([t, h, w], dim=-1).reshape(1, ppf * pph * ppw, 1, -1)
@@ -133,11 +142,15 @@ class CausalSelfAttnProcessor:
         q = rms_norm(attn.norm_q, attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         k = rms_norm(attn.norm_k, attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        k_pre_rope = k
         if rotary_emb is not None:
             q = apply_rope(q, *rotary_emb)
             k = apply_rope(k, *rotary_emb)
         # [B, L, H, D] -> [B, H, L, D]: the store's layout. K is post-RoPE, V raw (video.md §4.1).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        observer = getattr(attn, "mmkv_observer", None)  # set by `mmkv.inspect.KVObserver.attach`; reads only
+        if observer is not None:
+            observer(self.layer, state.mode, q, k_pre_rope.transpose(1, 2), k, v)
         if state.mode == "full":
             mask = state.attn_mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -234,7 +247,8 @@ class CausalWan(nn.Module):
         self.state.cross_kv.clear()
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor | float, context: torch.Tensor, *,
-                start_frame: int = 0, mode: str = "denoise", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                start_frame: int = 0, mode: str = "denoise", attn_mask: torch.Tensor | None = None,
+                frame_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Flow prediction for `latents` [B, F, C, H, W] at absolute frames [start_frame, start_frame + F).
 
         `timestep` is a float / [B] (one value per sample) or [B, F] (one per frame, expanded to tokens).
@@ -262,7 +276,10 @@ class CausalWan(nn.Module):
         self.state.start_frame = int(start_frame)
         self.state.num_frames = f // p_t
         self.state.mode = mode
+        if frame_positions is not None and mode != "full":
+            raise ModelError("frame_positions is for `full` mode (teacher forcing); cached modes use start_frame")
         self.state.attn_mask = attn_mask
+        self.state.frame_positions = frame_positions
         try:
             out = self.transformer(
                 hidden_states=latents.permute(0, 2, 1, 3, 4),
@@ -272,4 +289,5 @@ class CausalWan(nn.Module):
             )[0]
         finally:
             self.state.attn_mask = None
+            self.state.frame_positions = None
         return out.permute(0, 2, 1, 3, 4)
