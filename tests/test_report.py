@@ -49,16 +49,19 @@ def _rollout_json(kind, item, index, variant, preset, bits, kv, eff, rank, files
 
 
 def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48), presets=PRESETS, mp4=False,
-             colours=None, config=None):
+             colours=None, config=None, texts=None, render=None):
     """Write a run: `shards` is a list of (run folder, rank, world size); items go round-robin over the ranks, as
     torchrun sharding does. Same seed -> byte-identical content whatever the split. `config` joins each manifest's
-    config (e.g. what the pipelines record of the rollouts a run renders)."""
+    config (e.g. what the pipelines record of the rollouts a run renders). `texts`: each item's prompt;
+    `render(item index, variant)`: a video rollout's uint8 frames instead of noise around the reference."""
     ref_rng = np.random.default_rng(seed)
     items = []
     for i in range(n_items):
         name = f"p{i:04d}" if kind == "video" else f"clip_{chr(97 + i)}"
         if kind == "video":
-            if colours:
+            if render:
+                ref = render(i, "reference")
+            elif colours:
                 ref = np.tile(np.array(colours[i][0], np.uint8), (frames, *size, 1))
             else:
                 low = ref_rng.uniform(0, 255, (frames, size[0] // 8, size[1] // 8, 3))
@@ -82,7 +85,9 @@ def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48
                 d = run / "rollouts" / name / variant
                 d.mkdir(parents=True, exist_ok=True)
                 if kind == "video":
-                    if colours:
+                    if render:
+                        x = render(i, variant)
+                    elif colours:
                         x = np.tile(np.array(colours[i][v_index], np.uint8), (frames, *size, 1))
                         x = np.clip(x + rng.integers(-3, 4, x.shape), 0, 255).astype(np.uint8)
                     else:
@@ -107,6 +112,8 @@ def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48
                     save_file({"tokens": tokens}, str(d / "tokens.safetensors"))
                     files = {"audio": "audio.wav", "latent": "latent.safetensors", "tokens": "tokens.safetensors"}
                 info = _rollout_json(kind, name, i, variant, preset, bits, kv, eff, rank, files, seed)
+                if texts:
+                    info["text"] = texts[i]
                 (d / "rollout.json").write_text(json.dumps(info))
                 entries.append({"item": name, "variant": variant})
         config_ = {"seed": seed, "world_size": world, **(config or {})}

@@ -6,6 +6,9 @@ metrics.json beside each rollout. Every rollout a run's config expects that is m
 (which rollout, which file, why) and everything else is still tabulated, over the items every codec has; --strict
 exits 1 on any of it.
 
+Where a video run's prompts are procedural captions (`mmkv.pipelines.wan.scenes`), every rollout, the reference
+included, is also scored for prompt adherence and scene consistency from its own frames (`mmkv.report.adherence`).
+
 Without --out, the tables go to stdout in the first text format asked for. With --out DIR: DIR/table.<ext> and
 DIR/windows.<ext> per format, DIR/rollouts.csv and DIR/frames.csv (long form), DIR/problems.txt (when any),
 DIR/plots/*.png and, for html, DIR/index.html.
@@ -39,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="window edges in seconds for the windowed means, e.g. 0,2,5,10 (default; then every 10 s)")
     p.add_argument("--metrics", default=None, metavar="LIST",
                    help="metrics in the main table, e.g. lpips,psnr,lsd_db,snr_db (default: lpips, psnr, ssim, "
-                        "latent_cosine for video; lsd_db, snr_db, log_mel_mse, latent_cosine for audio)")
+                        "latent_cosine, adherence, consistency for video (the last two where prompts are procedural "
+                        "captions); lsd_db, snr_db, log_mel_mse, latent_cosine for audio)")
     p.add_argument("--gallery-items", type=int, default=None, metavar="N", help="show at most N items per model")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-cache", action="store_true", help="recompute metrics and do not write metrics.json")
@@ -80,7 +84,7 @@ def parse_metrics(text: str | None) -> dict[str, tuple[str, ...]] | None:
     bad = [m for m in names if m not in METRICS]
     if bad or not names:
         raise UsageError(f"--metrics: unknown metric(s) {bad or text!r}; choose from {', '.join(METRICS)}")
-    video = {"lpips", "psnr", "psnr_frame_mean", "ssim", "latent_cosine"}
+    video = {"lpips", "psnr", "psnr_frame_mean", "ssim", "latent_cosine", "adherence", "consistency"}
     audio = {"lsd_db", "snr_db", "log_mel_mse", "latent_cosine", "token_agreement"}
     return {"video": tuple(m for m in names if m in video) or DEFAULT_METRICS["video"],
             "audio": tuple(m for m in names if m in audio) or DEFAULT_METRICS["audio"]}
@@ -126,7 +130,11 @@ def run(args: argparse.Namespace) -> int:
 
     measured = measure_all(rs, measurer, progress=lambda it: tqdm(it, desc="metrics", disable=None,
                                                                    file=sys.stderr))
-    s = S.summarize(measured, window_edges_s=edges)
+    from mmkv.report.adherence import score_all
+
+    scores = score_all(measured, rs.problems, progress=lambda it: tqdm(it, desc="adherence", disable=None,
+                                                                       file=sys.stderr))
+    s = S.summarize(measured, window_edges_s=edges, adherence=scores)
     tables = [S.main_table(s, metric_sel)]
     win = S.windows_table(s)
     if win is not None:

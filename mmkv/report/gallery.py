@@ -22,7 +22,7 @@ import numpy as np
 from mmkv.report.plots import slug
 from mmkv.io import atomic_write_text
 from mmkv.report.runs import REFERENCE, Rollout, RunSet
-from mmkv.report.summary import LPIPS_NOTE, METRICS, Summary, metric_label
+from mmkv.report.summary import ADHERENCE_METRICS, LPIPS_NOTE, METRICS, Summary, metric_label
 
 STILL_WIDTH = 320  # px; posters are area-averaged down to at most this width
 CAPTION_METRICS = {"video": ("lpips", "psnr", "ssim"), "audio": ("lsd_db", "snr_db", "log_mel_mse")}
@@ -84,10 +84,11 @@ def _fmt_metric(key: str, v) -> str:
         return "inf"
     if isinstance(v, float) and math.isnan(v):
         return "nan"
-    return f"{v:.{METRICS[key].digits}f}"
+    return METRICS[key].format.format(v)
 
 
-def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: Path, still: Path) -> str:
+def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: Path, still: Path,
+          score: dict | None = None) -> str:
     if r is None:
         return (f'<figure class="cell missing"><div class="ph">missing</div><figcaption><span class="name">'
                 f"{html.escape(label)}</span></figcaption></figure>")
@@ -116,6 +117,8 @@ def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: P
         line = "native cache (reference)"
     else:
         line = "not measured"
+    if score is not None:  # a procedural caption: adherence of this rollout alone, the reference's too
+        line += " · " + " · ".join(f"{METRICS[k].label} {_fmt_metric(k, score.get(k))}" for k in ADHERENCE_METRICS)
     cls = "cell reference" if r.is_reference else "cell"
     return (f'<figure class="{cls}" data-variant="{html.escape(r.variant)}">{"".join(parts)}<figcaption>'
             f'<span class="name">{html.escape(label)}</span><span class="m">{html.escape(line)}</span>'
@@ -133,7 +136,8 @@ def gallery_sections(s: Summary, rs: RunSet, out: Path, max_items: int | None = 
             by_item.setdefault(r.item, {})[REFERENCE if r.is_reference else r.preset] = r
             order[r.item] = r.sort_key
         items = sorted(by_item, key=lambda i: order[i])[: max_items or None]
-        rows = [r for r in s.rows if s.cell(g, r) is not None or any(r.preset in v for v in by_item.values())]
+        rows = [r for r in s.rows if r.preset != REFERENCE  # the reference has its own column, first
+                and (s.cell(g, r) is not None or any(r.preset in v for v in by_item.values()))]
         heads = ["reference"] + [r.label + ("" if r.bits is None else f" (b={r.bits:g})") for r in rows]
         gs = slug(g.label)
         out_rows = []
@@ -142,12 +146,14 @@ def gallery_sections(s: Summary, rs: RunSet, out: Path, max_items: int | None = 
             ref = have.get(REFERENCE)
             text = (ref or next(iter(have.values()))).info.get("text") or ""
             cells = [f'<div class="rowhead"><b>{html.escape(item)}</b><p>{html.escape(str(text)[:300])}</p></div>',
-                     _cell(ref, "reference", None, g.kind, out, out / "stills" / gs / item / f"{REFERENCE}.png")]
+                     _cell(ref, "reference", None, g.kind, out, out / "stills" / gs / item / f"{REFERENCE}.png",
+                           s.score(g, item, REFERENCE))]
             for r, head in zip(rows, heads[1:]):
                 t = have.get(r.preset)
                 m = measured.get((g.key, item, r.preset))
                 cells.append(_cell(t, head, m.metrics if m else None, g.kind, out,
-                                   out / "stills" / gs / item / f"{t.variant if t else 'missing'}.png"))
+                                   out / "stills" / gs / item / f"{t.variant if t else 'missing'}.png",
+                                   s.score(g, item, t.variant) if t else None))
             out_rows.append(f'<div class="row" data-item="{html.escape(item)}">' + "".join(cells) + "</div>")
         cols = f"grid-template-columns: minmax(7rem, 12rem) repeat({len(heads)}, minmax(8rem, 1fr));"
         head_html = '<div class="row"><div></div>' + "".join(f'<div class="colhead">{html.escape(h)}</div>'

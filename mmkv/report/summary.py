@@ -6,6 +6,9 @@ several run folders, gives exactly the report of the same run unsplit. Codecs ar
 model, every statistic is taken over the items that every codec has; where codecs cover different items, the ones
 left out are named in the tables' notes, in csv/json columns and as a problem line (and where no item is common to
 all codecs, each codec's own items are used and nothing is ranked).
+
+Where prompts are procedural captions, each cell also holds the adherence and consistency of its rollouts
+(`mmkv.report.adherence`), and the reference, scored the same way, gets a row of its own that is never ranked.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mmkv.metrics.video import DEFAULT_FPS, psnr_from_mse, windowed_means
-from mmkv.report.runs import Measured
+from mmkv.report.runs import REFERENCE, Measured
 from mmkv.report.tables import Column, Table
 
 
@@ -29,10 +32,15 @@ class MetricSpec:
     label: str
     better: str  # "lower" or "higher"
     digits: int
+    fmt: str | None = None  # text format of a value; default: `digits` decimals
 
     @property
     def header(self) -> str:
         return self.label + ("↓" if self.better == "lower" else "↑")
+
+    @property
+    def format(self) -> str:
+        return self.fmt or "{:.%df}" % self.digits
 
 
 METRICS = {
@@ -45,9 +53,16 @@ METRICS = {
     "snr_db": MetricSpec("snr_db", "SNR", "higher", 1),
     "log_mel_mse": MetricSpec("log_mel_mse", "mel MSE", "lower", 3),
     "token_agreement": MetricSpec("token_agreement", "tokens=", "higher", 3),
+    # Of each rollout alone (mmkv.report.adherence), where the prompts are procedural captions; shown in percent.
+    "adherence": MetricSpec("adherence", "adherence", "higher", 2, "{:.0%}"),
+    "consistency": MetricSpec("consistency", "consistency", "higher", 2, "{:.0%}"),
 }
-DEFAULT_METRICS = {"video": ("lpips", "psnr", "ssim", "latent_cosine"),
+ADHERENCE_METRICS = ("adherence", "consistency")
+DEFAULT_METRICS = {"video": ("lpips", "psnr", "ssim", "latent_cosine") + ADHERENCE_METRICS,
                    "audio": ("lsd_db", "snr_db", "log_mel_mse", "latent_cosine")}
+# Per block after block 1 of a procedural clip: whether it matches block 1 (share of items), its background's PSNR.
+BLOCK_METRICS = {"consistency": METRICS["consistency"],
+                 "background_psnr": MetricSpec("background_psnr", "background PSNR", "higher", 1)}
 WINDOW_METRICS = ("lpips", "psnr", "ssim")
 CURVE_METRICS = ("lpips", "psnr", "ssim")
 
@@ -97,6 +112,8 @@ class Group:
     common_items: list[str] = field(default_factory=list)  # the items every codec of the group has
     uneven: bool = False  # codecs measured different items
     comparable: bool = True  # False: no item common to all codecs; values are over each codec's own items
+    scored_items: list[str] = field(default_factory=list)  # items with a procedural caption (adherence scored)
+    unscored_items: list[str] = field(default_factory=list)  # items with any other prompt
 
     @property
     def random_lpips(self) -> bool:
@@ -123,6 +140,7 @@ class Cell:
     windows: list[dict] = field(default_factory=list)  # [{"label", "start_s", "end_s", metric: mean over items}]
     curves: dict[str, np.ndarray] = field(default_factory=dict)  # metric -> per-frame mean over items
     left_out: list[str] = field(default_factory=list)  # measured items not in the group's common set
+    blocks: list[dict] = field(default_factory=list)  # [{"label", "first_frame", "end_frame", block metric: mean}]
 
     @property
     def n(self) -> int:
@@ -144,6 +162,11 @@ class Summary:
     cells: dict[tuple, Cell]  # (group key, preset) -> Cell
     measured: list[Measured]
     problems: list[str] = field(default_factory=list)  # codecs compared over different items
+    adherence: Any = None  # mmkv.report.adherence.Scores of the rollouts, or None
+
+    def score(self, g: Group, item: str, variant: str) -> dict | None:
+        """Adherence score of one rollout (the reference's variant is "reference"), or None."""
+        return None if self.adherence is None else self.adherence.by_rollout.get((g.key, item, variant))
 
     def cell(self, g: Group, r: Row) -> Cell | None:
         return self.cells.get((g.key, r.preset))
@@ -158,7 +181,10 @@ def _num(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def summarize(measured: list[Measured], *, window_edges_s=None) -> Summary:
+def summarize(measured: list[Measured], *, window_edges_s=None, adherence=None) -> Summary:
+    """Cells of every (group, codec preset) over the items all its codecs have. `adherence`
+    (`mmkv.report.adherence.Scores`) adds adherence and consistency to every cell, and a reference row (whose
+    rollouts are scored too) to each video group with a procedural caption."""
     by_cell: dict[tuple, list[Measured]] = {}
     groups: dict[tuple, Group] = {}
     rows: dict[str, Row] = {}
@@ -197,9 +223,45 @@ def summarize(measured: list[Measured], *, window_edges_s=None) -> Summary:
             used = [m for m in ms if m.test.item in common] if common else ms
             cells[g.key, preset] = _cell(used, g, window_edges_s)
             cells[g.key, preset].left_out = [m.test.item for m in ms if common and m.test.item not in common]
+            if adherence is not None:
+                _add_adherence(cells[g.key, preset], [adherence.get(m.test) for m in used])
         if g.uneven:
             problems.append(_uneven_line(g, [r for r in row_list if r.preset in mine], covered))
-    return Summary(group_list, row_list, cells, measured, problems)
+        if adherence is not None and g.kind == "video":
+            refs = {m.test.item: m.ref for ms in mine.values() for m in ms}
+            items = g.common_items or sorted(refs, key=order.get)
+            g.scored_items = [i for i in items if i in adherence.procedural.get(g.key, ())]
+            g.unscored_items = [i for i in items if i in adherence.other.get(g.key, ())]
+            ref = Cell(items=items, values={}, kv_ratio=_mean(refs[i].info.get("kv_ratio") for i in items),
+                       effective_bits=_mean(refs[i].info.get("effective_bits") for i in items),
+                       left_out=[i for i in sorted(refs, key=order.get) if i not in items])
+            if _add_adherence(ref, [adherence.get(refs[i]) for i in items]):
+                cells[g.key, REFERENCE] = ref
+    if any(k[1] == REFERENCE for k in cells):
+        row_list.insert(0, Row(REFERENCE, REFERENCE, None, label=REFERENCE))
+    return Summary(group_list, row_list, cells, measured, problems, adherence)
+
+
+def _add_adherence(cell: Cell, scores: list[dict | None]) -> bool:
+    """Adds the per-item adherence and consistency of a cell's rollouts (None: not a procedural caption, or not
+    scored) and the per-block means over items; False when none of them is scored."""
+    if not any(scores):
+        return False
+    for key in ADHERENCE_METRICS:
+        cell.values[key] = [None if sc is None else sc[key] for sc in scores]
+    blocks: dict[str, dict] = {}
+    for sc in scores:
+        for b in sc["blocks"] if sc else []:
+            e = blocks.setdefault(b["label"], {"label": b["label"], "first_frame": b["first_frame"],
+                                               "end_frame": b["end_frame"], "match": [], "background_psnr": []})
+            e["match"].append(b["match"])
+            e["background_psnr"].append(b["background_psnr"])
+    for e in sorted(blocks.values(), key=lambda e: e["first_frame"]):
+        matches = [float(x) for x in e.pop("match") if x is not None]
+        psnrs = [x for x in e.pop("background_psnr") if x is not None]
+        cell.blocks.append({**e, "consistency": float(np.mean(matches)) if matches else None,
+                            "background_psnr": float(np.mean(psnrs)) if psnrs else None, "n_items": len(matches)})
+    return True
 
 
 def _uneven_line(g: Group, rows: list[Row], covered: dict[str, set]) -> str:
@@ -350,7 +412,7 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
             spec = METRICS[key]
             if not any((c := s.cell(g, r)) is not None and c.stat(key) for r in s.rows):
                 continue  # nobody measured it (e.g. no latents saved)
-            fmt = "{:.%df}" % spec.digits
+            fmt = spec.format
             h = _metric_header(spec, g)
             cols += [Column(f"{g.label}/{key}/min", (gl, h, "min"), fmt),
                      Column(f"{g.label}/{key}/mean", (gl, h, "μ"), fmt,
@@ -394,10 +456,41 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         notes.append("Audio: LSD in dB (10 × log10-power LSD, Hann, n_fft 2048, hop 512); SNR in dB capped at 120 "
                      "(= bit-identical), @cap = share of clips at the cap; mel MSE = log10-mel MSE (80 Slaney mels, "
                      "n_fft 1024, hop 256); cos = SAT latent cosine.")
-    notes += _lpips_note(s.groups) + _coverage_notes(s.groups)
+    shown = [g for g in s.groups if set(metrics.get(g.kind, ())) & set(ADHERENCE_METRICS)]
+    notes += _lpips_note(s.groups) + _coverage_notes(s.groups) + _adherence_notes(s, shown, per_block=False)
     title = "Compressed-KV rollouts against the native-cache reference" + (
         f" ({', '.join(g.label for g in s.groups)})" if s.groups else "")
-    return Table("main", title, cols, table_rows, block="bits", notes=notes)
+    return Table("main", title, cols, table_rows, block="bits", notes=notes, unranked=_reference_rows(s))
+
+
+def _reference_rows(s: Summary) -> set[int]:
+    return {i for i, r in enumerate(s.rows) if r.preset == REFERENCE}
+
+
+def _adherence_notes(s: Summary, groups: list[Group], per_block: bool) -> list[str]:
+    """What adherence and consistency are, and over which items, for the groups that show them."""
+    groups = [g for g in groups if (g.key, REFERENCE) in s.cells]
+    if not groups:
+        return []
+    if per_block:
+        notes = ["consistency / background PSNR per block, for procedural captions (blocks after block 1, which is "
+                 "frames 0–8; then 12 frames a block, the CausVid blocks): the share of items whose block shows "
+                 "block 1's unnamed scene (stripe colours and phase, second object, bar), and the mean PSNR (dB, "
+                 "capped at 100 = unchanged) of its background pixels against block 1's per-pixel median. Each "
+                 "rollout is scored alone, so the reference has its own row (never marked)."]
+    else:
+        notes = ["adherence: the share of the caption's named attributes (colour, shape, size, direction, speed) "
+                 "that mmkv.metrics.adherence reads from a rollout's own frames (0 when no object of a named colour "
+                 "is found); consistency: the share of the blocks after block 1 whose unnamed scene (stripes, second "
+                 "object, bar) matches block 1's (– where block 1 shows no striped background). Each rollout is "
+                 "scored alone, against its caption, so the reference (native cache) has its own row (never "
+                 "marked): how well the model itself follows the captions."]
+    for g in groups:
+        if g.unscored_items:
+            notes.append(f"{g.label}: adherence and consistency are over the {len(g.scored_items)} item(s) whose "
+                         f"prompt is a procedural caption ({', '.join(g.scored_items)}) only; the other "
+                         f"{len(g.unscored_items)} ({', '.join(g.unscored_items)}) name no scene and are not scored.")
+    return notes
 
 
 def windows_table(s: Summary) -> Table | None:
@@ -411,7 +504,7 @@ def windows_table(s: Summary) -> Table | None:
     getters = []
     for g in video:
         cols += _coverage_columns(g, g.label if multi else "")
-        getters.append((g, "coverage", None))
+        getters.append((g, "coverage", None, None))
         labels: dict[str, float] = {}
         for r in s.rows:
             c = s.cell(g, r)
@@ -425,31 +518,44 @@ def windows_table(s: Summary) -> Table | None:
                 continue
             head = (g.label + " " if multi else "") + _metric_header(spec, g)
             for label in ordered:
-                cols.append(Column(f"{g.label}/{key}/{label}", (head, label), "{:.%df}" % spec.digits,
+                cols.append(Column(f"{g.label}/{key}/{label}", (head, label), spec.format,
                                    better=spec.better if g.comparable else None))
-                getters.append((g, key, label))
+                getters.append((g, key, label, "windows"))
+        # Procedural captions: each block after block 1 against block 1 (frame blocks, not the time windows).
+        blocks: dict[str, int] = {}
+        for r in s.rows:
+            c = s.cell(g, r)
+            for b in c.blocks if c else []:
+                blocks.setdefault(b["label"], b["first_frame"])
+        for key, spec in BLOCK_METRICS.items():
+            head = (g.label + " " if multi else "") + spec.header
+            for label in sorted(blocks, key=blocks.get):
+                cols.append(Column(f"{g.label}/block_{key}/{label}", (head, label), spec.format,
+                                   better=spec.better if g.comparable else None))
+                getters.append((g, key, label, "blocks"))
     rows = []
     for r in s.rows:
         row: list[Any] = [r.bits, r.label, r.preset]
-        for g, key, label in getters:
+        for g, key, label, where in getters:
             c = s.cell(g, r)
             if key == "coverage":
                 row += _coverage_values(c)
                 continue
-            w = next((w for w in c.windows if w["label"] == label), None) if c else None
+            w = next((w for w in getattr(c, where) if w["label"] == label), None) if c else None
             row.append(None if w is None else w.get(key))
         rows.append(row)
     fps = sorted({g.fps for g in video})
     notes = [f"Each entry: the mean over items of one video's mean of per-frame values in the window [a, b) s at "
              f"{', '.join(f'{f:g}' for f in fps)} fps (PSNR: from the window's pooled MSE). The last window may be "
              "partly filled. Bold / underlined: best / runner-up within a bit-width block."] + _lpips_note(video)
-    notes += _coverage_notes(video)
+    notes += _coverage_notes(video) + _adherence_notes(s, video, per_block=True)
     return Table("windows", "Windowed means over time (per-frame metrics averaged within each window)", cols, rows,
-                 block="bits", notes=notes)
+                 block="bits", notes=notes, unranked=_reference_rows(s))
 
 
 def rollouts_table(s: Summary) -> Table:
-    """Long form, one row per compared rollout: what the pipelines recorded and every summary metric."""
+    """Long form, one row per compared rollout: what the pipelines recorded and every summary metric; where prompts
+    are procedural captions, each rollout's adherence scores too, and a row per scored reference rollout."""
     keys = []
     for m in s.measured:
         for k in m.metrics["summary"]:
@@ -457,14 +563,22 @@ def rollouts_table(s: Summary) -> Table:
                 keys.append(k)
     info_keys = ["bits", "effective_bits", "kv_ratio", "kv_bytes", "bf16_kv_bytes", "peak_kv_bytes", "seed",
                  "noise_sha256", "rank"]
+    scores = s.adherence.by_rollout if s.adherence is not None else {}
+    score_keys = [k for k in next(iter(scores.values()), {}) if k != "blocks"]
     cols = [Column(k, (k,)) for k in ["kind", "model", "residual_window", "item", "item_index", "variant", "preset"]
-            + info_keys + keys + ["lpips_trunk"]]
+            + info_keys + keys + ["lpips_trunk"] + score_keys]
+    entries = [(m.test, m) for m in s.measured]
+    refs = {(m.ref.group_key, m.ref.item): m.ref for m in s.measured}
+    entries += [(r, None) for _, r in sorted(refs.items(), key=lambda kv: kv[1].sort_key)
+                if (r.group_key, r.item, r.variant) in scores]
     rows = []
-    for m in sorted(s.measured, key=lambda m: (m.test.group_key, m.test.sort_key, m.test.variant)):
-        t = m.test
+    for t, m in sorted(entries, key=lambda e: (e[0].group_key, e[0].sort_key, not e[0].is_reference, e[0].variant)):
+        summary = m.metrics["summary"] if m else {}
+        sc = scores.get((t.group_key, t.item, t.variant), {})
+        trunk = m.metrics.get("config", {}).get("lpips_trunk") if m else None
         rows.append([t.kind, t.model, t.info.get("residual_window"), t.item, t.item_index, t.variant, t.preset]
-                    + [t.info.get(k) for k in info_keys] + [m.metrics["summary"].get(k) for k in keys]
-                    + [m.metrics.get("config", {}).get("lpips_trunk")])
+                    + [t.info.get(k) for k in info_keys] + [summary.get(k) for k in keys] + [trunk]
+                    + [sc.get(k) for k in score_keys])
     return Table("rollouts", "Per-rollout metrics", cols, rows)
 
 

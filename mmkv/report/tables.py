@@ -37,6 +37,7 @@ class Table:
     rows: list[list[Any]]
     block: str | None = None  # key of the column whose value change starts a new block (ranking scope, rules)
     notes: list[str] = field(default_factory=list)
+    unranked: set[int] = field(default_factory=set)  # rows never marked, each a block of its own (the reference)
 
     def index(self, key: str) -> int:
         for i, c in enumerate(self.columns):
@@ -53,7 +54,7 @@ class Table:
                 continue
             for rows in blocks:
                 vals = {}
-                for i in rows:
+                for i in (i for i in rows if i not in self.unranked):
                     v = self.rows[i][j]
                     if _is_number(v) and not math.isnan(v):
                         vals[i] = _display_key(col, v)
@@ -67,16 +68,22 @@ class Table:
                         out[i][j] = "second"
         return out
 
-    def _blocks(self) -> list[list[int]]:
+    def starts_block(self, i: int) -> bool:
+        """Whether row i starts a new block (ranking scope; a rule above it in latex and html)."""
+        if i == 0:
+            return True
+        if (i in self.unranked) != (i - 1 in self.unranked):
+            return True
         if self.block is None:
-            return [list(range(len(self.rows)))]
+            return False
         j = self.index(self.block)
+        return self.rows[i][j] != self.rows[i - 1][j]
+
+    def _blocks(self) -> list[list[int]]:
         blocks: list[list[int]] = []
-        last = object()
-        for i, row in enumerate(self.rows):
-            if not blocks or row[j] != last:
+        for i in range(len(self.rows)):
+            if self.starts_block(i):
                 blocks.append([])
-                last = row[j]
             blocks[-1].append(i)
         return blocks
 
@@ -251,9 +258,8 @@ def to_latex(t: Table) -> str:
         if rules:
             lines.append(" ".join(rules))
     lines.append(r"\midrule")
-    block_j = t.index(t.block) if t.block else None
     for i, row in enumerate(t.rows):
-        if block_j is not None and i > 0 and row[block_j] != t.rows[i - 1][block_j]:
+        if i > 0 and t.starts_block(i):
             lines.append(r"\midrule")
         cells = []
         for j in cols:
@@ -291,9 +297,8 @@ def to_html(t: Table) -> str:
         out.append("<tr>" + "".join(f'<th colspan="{n}">{html.escape(k[-1])}</th>' if n > 1
                                     else f"<th>{html.escape(k[-1])}</th>" for k, _, n in spans) + "</tr>")
     out.append("</thead><tbody>")
-    block_j = t.index(t.block) if t.block else None
     for i, row in enumerate(t.rows):
-        new_block = block_j is not None and i > 0 and row[block_j] != t.rows[i - 1][block_j]
+        new_block = i > 0 and t.starts_block(i)
         cells = []
         for j in cols:
             s = html.escape(format_value(t.columns[j], row[j]))
