@@ -1,0 +1,165 @@
+"""`mmkv eval video`: how well a video model follows held-out procedural prompts, and whether it reads its cache.
+
+Rolls a model out on the captions of held-out scene seeds (`scenes.held_out_seeds`: never trained on), with the
+native cache, through the same pipeline as `mmkv generate video` (one rollout a prompt, noise from
+`NoiseStream(seed, index)`), and scores every clip with the rule-based detector (`mmkv.metrics.adherence`): colour,
+shape, size, direction and speed accuracy against the caption, and the consistency of the attributes the caption does
+not state with block 1. Two controls:
+
+* `--no-past`: every block attends only to itself (the store is emptied after each commit). A model that reads its
+  cache loses the unnamed attributes' consistency here; one that ignores its past does not.
+* `--random-dit`: the DiT re-initialised at random (same architecture), with the same VAE and text encoder: the
+  chance level of every score.
+
+It also measures the VAE's held-out reconstruction PSNR. The result is one JSON (`--out`), the numbers
+`docs/training.md` reports for the shipped weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmkv.pipelines.common import NoiseStream, atomic_write_json, parse_device, versions
+from mmkv.pipelines.wan import scenes
+
+ATTRS = ("colour", "shape", "size", "direction", "speed")
+
+
+def _accuracy(values: list[bool | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    # A clip where no object was found counts as wrong: the model failed to draw what was asked.
+    return None if not values else round(100.0 * sum(bool(v) for v in known) / len(values), 2)
+
+
+def summarize(scores: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy (%) per named attribute over all clips, the share of clips with an object found, and the mean
+    consistency and background PSNR of the unnamed attributes."""
+    out: dict[str, Any] = {"clips": len(scores)}
+    out["found_pct"] = round(100.0 * sum(bool(s["found"]) for s in scores) / max(1, len(scores)), 2)
+    for attr in ATTRS:
+        out[f"{attr}_pct"] = _accuracy([s.get(f"{attr}_ok") for s in scores])
+    cons = [s["consistency"] for s in scores if s.get("consistency") is not None]
+    out["consistency_pct"] = round(100.0 * float(np.mean(cons)), 2) if cons else None
+    psnr = [w["background_psnr"] for s in scores for w in s.get("windows", [])[1:]
+            if w.get("background_psnr") is not None]
+    out["background_psnr_db"] = round(float(np.mean(psnr)), 3) if psnr else None
+    return out
+
+
+def random_dit_like(dit, seed: int):
+    """A DiT of the same configuration with diffusers' default random initialisation (seeded, global RNG untouched)."""
+    from diffusers import WanTransformer3DModel
+
+    from mmkv.pipelines.wan.model import CausalWan
+
+    cfg = {k: v for k, v in dit.config.items() if not k.startswith("_")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = WanTransformer3DModel(**cfg)
+    return CausalWan(transformer.to(device=dit.device, dtype=dit.dtype).eval().requires_grad_(False))
+
+
+@torch.no_grad()
+def evaluate_preset(comps, preset_name: str, prompts: list[tuple[int, str]], *, frames: int, height: int,
+                    width: int, seed: int, no_past: bool = False, keep_frames: int = 0) -> dict[str, Any]:
+    from mmkv.metrics.adherence import score_clip
+    from mmkv.pipelines.wan.loop import get_preset
+    from mmkv.pipelines.wan.pipeline import WanVideoPipeline
+
+    pipe = WanVideoPipeline(comps, get_preset(preset_name))
+    grid = pipe.grid(frames, height, width)
+    scores, kept = [], []
+    t0 = time.perf_counter()
+    for index, (scene_seed, text) in enumerate(prompts):
+        store = pipe.make_store(None, residual_window=1)
+        on_block = (lambda b, n: store.reset()) if no_past else None
+        res = pipe.generate(pipe.encode_text([text]), NoiseStream(seed, index), store, grid, on_block=on_block)
+        video = pipe.decode(res.latents)[0]
+        s = score_clip(video, scenes.parse_caption(text), scenes.PALETTE)
+        scores.append({"seed": scene_seed, "prompt": text, **{k: v for k, v in s.items() if k != "windows"},
+                       "windows": s["windows"]})
+        if index < keep_frames:
+            kept.append(video)
+    return {"preset": preset_name, "no_past": no_past, "seconds": round(time.perf_counter() - t0, 2),
+            "summary": summarize(scores), "clips": [_slim(s) for s in scores], "frames": kept}
+
+
+def _slim(score: dict[str, Any]) -> dict[str, Any]:
+    keep = ("seed", "prompt", "found", "adherence", "consistency") + ATTRS + tuple(f"{a}_ok" for a in ATTRS)
+    return {k: score.get(k) for k in keep}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ckpt", required=True, help="CausVid-style checkpoint (folder or file)")
+    parser.add_argument("--base", required=True, help="Wan base folder (VAE, text encoder, tokenizer, DiT config)")
+    parser.add_argument("--presets", default="causvid,causal-forcing-frame",
+                        help="comma-separated loop presets to evaluate (default: %(default)s)")
+    parser.add_argument("-n", "--num-prompts", type=int, default=32, help="held-out prompts (default: %(default)s)")
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0, help="noise seed of the rollouts")
+    parser.add_argument("--no-past", action="store_true", help="also score rollouts whose blocks attend only to "
+                                                                "themselves (does the model read its cache?)")
+    parser.add_argument("--random-dit", action="store_true", help="also score a randomly initialised DiT of the "
+                                                                   "same architecture (chance level)")
+    parser.add_argument("--vae-clips", type=int, default=16, help="held-out clips for the VAE's PSNR (0: skip)")
+    parser.add_argument("--device", default=None, help="cpu (default without a GPU), cuda or cuda:N")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give the path of the JSON file to write")
+    device = parse_device(args.device) if args.device else torch.device("cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    comps = load_wan(args.ckpt, args.base, device=device)
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    prompts = [(s, scenes.caption(scenes.sample_scene(s))) for s in scenes.held_out_seeds(args.num_prompts)]
+    shape = {"frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed}
+    record: dict[str, Any] = {"ckpt": comps.files.get("dit"), "base": comps.files.get("base"), **shape,
+                              "held_out_seeds": [s for s, _ in prompts], "versions": versions(), "runs": []}
+    variants = [("trained", False)] + ([("trained", True)] if args.no_past else [])
+    for preset in presets:
+        for model, no_past in variants:
+            res = evaluate_preset(comps, preset, prompts, no_past=no_past, **shape)
+            res.pop("frames")
+            record["runs"].append({"model": model, **res})
+            print(f"{preset:<24} {'no past' if no_past else 'cache':<8} {_line(res['summary'])}", flush=True)
+    if args.random_dit:
+        trained = comps.dit
+        comps.dit = random_dit_like(trained, seed=args.seed)
+        for preset in presets:
+            res = evaluate_preset(comps, preset, prompts, **shape)
+            res.pop("frames")
+            record["runs"].append({"model": "random DiT", **res})
+            print(f"{preset:<24} {'random':<8} {_line(res['summary'])}", flush=True)
+        comps.dit = trained
+    if args.vae_clips:
+        from mmkv.pipelines.wan.train import vae_psnr
+
+        record["vae_held_out_psnr_db"] = round(vae_psnr(comps.vae, scenes.held_out_seeds(args.vae_clips),
+                                                         frames=args.frames, height=args.height, width=args.width,
+                                                         device=device), 3)
+        print(f"VAE held-out PSNR {record['vae_held_out_psnr_db']} dB over {args.vae_clips} clips")
+    atomic_write_json(out, record)
+    return 0
+
+
+def _line(s: dict[str, Any]) -> str:
+    return " ".join(f"{k.removesuffix('_pct')} {s[k]}" for k in ("found_pct", "colour_pct", "shape_pct",
+                                                                  "direction_pct", "speed_pct", "consistency_pct")) \
+        + f" bgPSNR {s['background_psnr_db']}"

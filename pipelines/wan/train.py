@@ -1,0 +1,676 @@
+"""`mmkv train video`: the tiny video models mmkv ships, trained on procedural captioned clips.
+
+A Wan VAE, a umT5 text encoder with a word-level tokenizer and a block-causal Wan DiT, each of exactly the
+architecture `mmkv generate video` loads (diffusers `AutoencoderKLWan`, transformers `UMT5EncoderModel`, diffusers
+`WanTransformer3DModel` with mmkv's causal attention), trained on the clips of `mmkv.pipelines.wan.scenes`. Three
+stages, each one command that reads the previous stage's folder and writes its own (weights only, no optimizer state):
+
+* `vae`: the VAE (4x temporal, 4x spatial) with L1 + MSE + a 1e-6 KL term (no GAN, no LPIPS), on short crops; its
+  `latents_mean` / `latents_std` are then measured on training latents and written into its config.
+* `dit`: teacher-forced flow matching (Self-Forcing `model/diffusion.py`; Causal Forcing
+  `configs/ar_diffusion_tf_chunkwise.yaml`). The sequence is [clean latents at t = 0 | a noisy copy]; each block of
+  the copy has its own timestep (shift 5) and attends to the clean blocks before it and to itself, the clean half is
+  block-causal, and the copy reuses the clean frames' RoPE indices. Blocks are 3 latent frames, or 1 frame for a
+  `framewise` share of the batches, so both the chunk-wise and the frame-wise loops run on one model. The umT5
+  encoder trains jointly, with a share of empty captions; it is frozen afterwards.
+* `distill`: ODE regression (CausVid `causvid/ode_regression.py`). The `dit` model integrates the flow ODE block by
+  block (50-step Euler, classifier-free guidance), its clean endpoints committed to a KV cache as in inference; the
+  student, initialised from it, learns to map the trajectory's state at each timestep the CausVid and Causal Forcing
+  loops call the model at to the endpoint, so that their 3-4 step loops give sharp frames.
+
+`dit` and `distill` write the release layout `mmkv generate video` reads: `base/` (a diffusers Wan folder: vae,
+text_encoder, tokenizer, transformer/config.json, model_index.json) and `causvid/model.pt` (CausVid's
+`{"generator": {"model." + original Wan key: tensor}}`, bf16), next to `train.json` (config, seeds, measured step
+time, loss curve). Every stage takes a wall-clock budget: the first 50 steps are timed and the step count is cut to
+what fits, and `train.json` records the steps run. Data and noise come from private generators seeded by `--seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from mmkv.pipelines.common import atomic_write_json, versions
+from mmkv.pipelines.training import device_name, ema_update, frozen_copy, optimise, seeded
+from mmkv.pipelines.wan import scenes
+from mmkv.pipelines.wan.loop import get_preset
+
+STAGES = ("vae", "dit", "distill")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass(frozen=True)
+class VideoTrainConfig:
+    """Model shapes and optimisation settings of one trained model family (`tiny` ships; `micro` is the CPU smoke
+    test's)."""
+
+    name: str
+    height: int
+    width: int
+    frames: int  # pixel frames of a full clip (1 + 4k)
+    vae: dict[str, Any]
+    dit: dict[str, Any]
+    t5: dict[str, Any]
+    text_len: int
+    # vae stage
+    vae_steps: int
+    vae_batch: int
+    vae_frames: int  # pixel frames of a training crop (1 + 4k)
+    vae_lr: float
+    vae_kl: float
+    vae_stat_clips: int  # clips whose latents give latents_mean / latents_std
+    # dit stage
+    dit_clips: int  # clips rendered and encoded once, then sampled with replacement
+    dit_steps: int
+    dit_batch: int
+    dit_lr: float
+    ema: float
+    empty_caption: float
+    framewise: float  # share of batches trained with 1-frame blocks
+    shift: float
+    # distill stage
+    ode_clips: int  # teacher trajectories (a `framewise` share of them frame-wise)
+    ode_steps: int
+    guidance: float
+    distill_steps: int
+    distill_batch: int
+    distill_lr: float
+    warmup: int = 100
+    frames_per_block: int = 3
+    encode_batch: int = 32
+    ode_batch: int = 256
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_T5 = {"d_kv": 32, "num_heads": 2, "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+       "feed_forward_proj": "gated-gelu", "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6}
+_DIT = {"patch_size": (1, 2, 2), "in_channels": 16, "out_channels": 16, "freq_dim": 256, "cross_attn_norm": True,
+        "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024}
+
+CONFIGS: dict[str, VideoTrainConfig] = {
+    # 64x96 px, 81 frames -> 21 latent frames of 16x24 -> 96 tokens a frame, 7 blocks of 3 frames. The DiT keeps
+    # Wan 1.3B's head width (2 heads x 128; RoPE split 44/42/42), so every codec runs with its 128-d codebooks.
+    "tiny": VideoTrainConfig(
+        name="tiny", height=64, width=96, frames=81,
+        vae={"base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4], "num_res_blocks": 2, "attn_scales": [],
+             "temperal_downsample": [True, True], "scale_factor_temporal": 4, "scale_factor_spatial": 4},
+        dit={**_DIT, "num_attention_heads": 2, "attention_head_dim": 128, "text_dim": 64, "ffn_dim": 1024,
+             "num_layers": 4},
+        t5={**_T5, "d_model": 64, "d_ff": 256, "num_layers": 2},
+        text_len=16,
+        vae_steps=3000, vae_batch=32, vae_frames=9, vae_lr=8e-4, vae_kl=1e-6, vae_stat_clips=256,
+        dit_clips=8192, dit_steps=6000, dit_batch=32, dit_lr=3e-4, ema=0.999, empty_caption=0.1, framewise=0.25,
+        shift=5.0,
+        ode_clips=3072, ode_steps=48, guidance=2.0, distill_steps=3000, distill_batch=32, distill_lr=1e-4,
+    ),
+    # CPU smoke test: the same code on a few-second budget (head_dim 32, 32x48 px, 6 latent frames).
+    "micro": VideoTrainConfig(
+        name="micro", height=32, width=48, frames=21,
+        vae={"base_dim": 4, "z_dim": 16, "dim_mult": [1, 2, 4], "num_res_blocks": 1, "attn_scales": [],
+             "temperal_downsample": [True, True], "scale_factor_temporal": 4, "scale_factor_spatial": 4},
+        dit={**_DIT, "num_attention_heads": 2, "attention_head_dim": 32, "text_dim": 16, "ffn_dim": 64,
+             "num_layers": 1, "rope_max_seq_len": 64},
+        t5={**_T5, "d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 1, "relative_attention_num_buckets": 8},
+        text_len=16,
+        vae_steps=16, vae_batch=2, vae_frames=5, vae_lr=3e-3, vae_kl=1e-6, vae_stat_clips=4,
+        dit_clips=8, dit_steps=30, dit_batch=4, dit_lr=3e-3, ema=0.9, empty_caption=0.1, framewise=0.25, shift=5.0,
+        ode_clips=4, ode_steps=4, guidance=2.0, distill_steps=20, distill_batch=4, distill_lr=1e-3, warmup=5,
+        encode_batch=4, ode_batch=4,
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> VideoTrainConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown training config {name!r}; expected one of {', '.join(CONFIGS)}")
+    cfg = CONFIGS[name]
+    bad = sorted(set(overrides) - set(cfg.to_dict()))
+    if bad:
+        raise ValueError(f"unknown config fields {bad}; expected some of {sorted(cfg.to_dict())}")
+    return replace(cfg, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models and tokenizer
+
+
+def word_tokenizer(words: list[str], text_len: int):
+    """A word-level fast tokenizer with the T5 call contract (pad 0, eos 1 appended, unk 2), lower-casing its input:
+    each caption word is one token, so a tiny encoder needs no sub-word composition."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for w in sorted(set(words)):
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   model_max_length=text_len)
+
+
+def build_vae(cfg: VideoTrainConfig, seed: int):
+    from diffusers import AutoencoderKLWan
+
+    return seeded(seed, lambda: AutoencoderKLWan(**cfg.vae))
+
+
+def build_text_encoder(cfg: VideoTrainConfig, vocab_size: int, seed: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=vocab_size, is_encoder_decoder=False, tie_word_embeddings=True, **cfg.t5)
+    return seeded(seed, lambda: UMT5EncoderModel(config))
+
+
+def build_dit(cfg: VideoTrainConfig, seed: int):
+    from diffusers import WanTransformer3DModel
+
+    from mmkv.pipelines.wan.model import CausalWan
+
+    return CausalWan(seeded(seed, lambda: WanTransformer3DModel(**cfg.dit)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def training_seeds(gen: torch.Generator, n: int) -> list[int]:
+    """Scene seeds for training: [0, scenes.TRAIN_SEED_END) only, so held-out seeds are never trained on."""
+    return torch.randint(0, scenes.TRAIN_SEED_END, (n,), generator=gen).tolist()
+
+
+def render_clips(seeds: list[int], cfg: VideoTrainConfig, device: torch.device, frames: int | None = None):
+    """(pixels [B, 3, T, H, W] in [-1, 1], captions) of the scenes of `seeds`."""
+    batch = [scenes.sample_scene(s) for s in seeds]
+    video = scenes.render(batch, frames=frames or cfg.frames, height=cfg.height, width=cfg.width, device=device)
+    return video.permute(0, 4, 1, 2, 3).mul(2).sub(1), [scenes.caption(s) for s in batch]
+
+
+def tokenize(tokenizer, captions: list[str], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and mask exactly as `WanVideoPipeline.encode_text` makes them (prompts cleaned the same way)."""
+    from mmkv.pipelines.wan.pipeline import clean_prompt
+
+    tok = tokenizer([clean_prompt(c) for c in captions], padding="max_length", truncation=True, max_length=text_len,
+                    add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    return tok.input_ids, tok.attention_mask
+
+
+def text_states(encoder, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """umT5 states zeroed beyond each prompt's length, as the pipeline feeds the DiT."""
+    states = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    return states * mask.unsqueeze(-1).to(states.dtype)
+
+
+def latent_stats(vae) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32)
+    std = torch.tensor(vae.config.latents_std, dtype=torch.float32)
+    return mean.view(1, -1, 1, 1, 1), std.view(1, -1, 1, 1, 1)
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalised latents [B, F, C, h, w] (frame-major, the DiT's layout): the posterior mean, (z - mean) / std."""
+    z = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist.mode().float()
+    mean, std = latent_stats(vae)
+    return ((z - mean.to(z.device)) / std.to(z.device)).permute(0, 2, 1, 3, 4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Teacher forcing
+
+
+def teacher_forcing_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool [2L, 2L] over [clean frames | noisy copies] (True = may attend): clean block j sees clean blocks <= j;
+    noisy block j sees clean blocks < j and its own noisy block (Self-Forcing `_prepare_teacher_forcing_mask`)."""
+    block = (torch.arange(num_frames, device=device) // frames_per_block).repeat_interleave(tokens_per_frame)
+    q, k = block.unsqueeze(1), block.unsqueeze(0)
+    clean_clean = q >= k
+    noisy_clean = q > k
+    noisy_noisy = q == k
+    top = torch.cat([clean_clean, torch.zeros_like(clean_clean)], dim=1)
+    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The flow-matching shift s u / (1 + (s - 1) u) (Wan / DiffSynth `FlowMatchScheduler`)."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def teacher_forced_flow(dit, clean: torch.Tensor, noisy: torch.Tensor, t_frames: torch.Tensor,
+                        context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The DiT's flow for `noisy` [B, F, C, h, w] at per-frame timesteps `t_frames` [B, F], each block seeing the
+    clean blocks before it (`teacher_forcing_mask`)."""
+    b, f = clean.shape[:2]
+    inputs = torch.cat([clean, noisy], dim=1)
+    timestep = torch.cat([torch.zeros_like(t_frames), t_frames], dim=1)
+    positions = torch.arange(f, device=clean.device).repeat(2)
+    out = dit(inputs, timestep, context, mode="full", attn_mask=mask, frame_positions=positions)
+    return out[:, f:]
+
+
+def block_timesteps(gen: torch.Generator, batch: int, num_frames: int, fpb: int, shift: float,
+                    device: torch.device) -> torch.Tensor:
+    """[B, F] timesteps, one shifted-uniform draw per block, in (0, 1000]."""
+    u = 1 - torch.rand(batch, num_frames // fpb, generator=gen, device=device)  # (0, 1]
+    return (1000 * shifted_sigmas(u, shift)).repeat_interleave(fpb, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 1: VAE
+
+
+def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: int, budget_s: float | None,
+              init: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    vae = (_load_vae(init, device) if init else build_vae(cfg, seed).to(device)).train().requires_grad_(True)
+    gen = torch.Generator().manual_seed(seed)
+    noise_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    crop = cfg.vae_frames
+
+    def loss_fn(step: int) -> torch.Tensor:
+        seeds = training_seeds(gen, cfg.vae_batch)
+        video, _ = render_clips(seeds, cfg, device)
+        start = 4 * int(torch.randint(0, (cfg.frames - crop) // 4 + 1, (1,), generator=gen))
+        x = video[:, :, start:start + crop]
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=noise_gen, device=device)
+        rec = vae.decode(z).sample.float()
+        kl = posterior.kl().mean() / x[0].numel()
+        return F.l1_loss(rec, x) + F.mse_loss(rec, x) + cfg.vae_kl * kl
+
+    stats = optimise(list(vae.parameters()), loss_fn, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=cfg.warmup,
+                      budget_s=budget_s, device=device, log=log, name="vae")
+    vae.eval()
+    # latents_mean / latents_std per channel over full training clips (the pipeline normalises with them).
+    zs = []
+    with torch.no_grad():
+        stat_gen = torch.Generator().manual_seed(seed + 2)
+        for i in range(0, cfg.vae_stat_clips, cfg.encode_batch):
+            video, _ = render_clips(training_seeds(stat_gen, min(cfg.encode_batch, cfg.vae_stat_clips - i)), cfg,
+                                    device)
+            zs.append(vae.encode(video).latent_dist.mode().float().transpose(0, 1).flatten(1).cpu())
+    z = torch.cat(zs, dim=1)
+    vae.register_to_config(latents_mean=[round(float(v), 6) for v in z.mean(1)],
+                           latents_std=[round(float(v), 6) for v in z.std(1)])
+    psnr = vae_psnr(vae, scenes.held_out_seeds(16 if cfg.name != "micro" else 2), frames=cfg.frames,
+                    height=cfg.height, width=cfg.width, device=device, batch=cfg.encode_batch)
+    vae.to("cpu").save_pretrained(out / "vae")
+    return {**stats, "held_out_psnr_db": round(psnr, 3)}
+
+
+@torch.no_grad()
+def vae_psnr(vae, seeds: list[int], *, frames: int, height: int, width: int, device: torch.device,
+             batch: int = 8) -> float:
+    """Mean PSNR (dB, 8-bit pixels) of full clips of `seeds` through encode (posterior mean) and decode."""
+    values = []
+    for i in range(0, len(seeds), batch):
+        clips = [scenes.sample_scene(s) for s in seeds[i:i + batch]]
+        video = scenes.render(clips, frames=frames, height=height, width=width, device=device)
+        video = video.permute(0, 4, 1, 2, 3).mul(2).sub(1)
+        dtype = next(vae.parameters()).dtype
+        rec = vae.decode(vae.encode(video.to(dtype)).latent_dist.mode()).sample.float().clamp(-1, 1)
+        a = ((video.float() + 1) * 127.5).round()
+        b = ((rec + 1) * 127.5).round()
+        mse = (a - b).pow(2).flatten(1).mean(1).clamp_min(1e-10)
+        values += (10 * torch.log10(255.0 ** 2 / mse)).tolist()
+    return sum(values) / len(values)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 2: teacher-forced DiT + text encoder
+
+
+def _load_vae(folder: Path, device: torch.device):
+    from diffusers import AutoencoderKLWan
+
+    vae_dir = folder / "vae" if (folder / "vae").is_dir() else folder / "base" / "vae"
+    if not (vae_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} holds no trained VAE (vae/config.json or base/vae/config.json); run "
+                                "`mmkv train video --stage vae` first")
+    return AutoencoderKLWan.from_pretrained(vae_dir, torch_dtype=torch.float32, local_files_only=True).to(device).eval()
+
+
+def _load_release(folder: Path, device: torch.device):
+    """(text encoder, DiT) of a release layout written by `write_release`, fp32, trainable."""
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    comps = load_wan(folder / "causvid", folder / "base", device=device, dtype=torch.float32)
+    return comps.text_encoder.train().requires_grad_(True), comps.dit.train().requires_grad_(True)
+
+
+@torch.no_grad()
+def build_dataset(vae, cfg: VideoTrainConfig, device: torch.device, seed: int, budget_s: float | None = None,
+                  log: Callable[[str], None] = print) -> tuple[torch.Tensor, list[str], list[int]]:
+    """`cfg.dit_clips` training clips as normalised latents (bf16 on CUDA), their captions and seeds; with
+    `budget_s`, fewer if encoding them would take longer (the count is recorded)."""
+    gen = torch.Generator().manual_seed(seed)
+    seeds = training_seeds(gen, cfg.dit_clips)
+    t0 = time.perf_counter()
+    lat, caps = [], []
+    for i in range(0, len(seeds), cfg.encode_batch):
+        if budget_s is not None and i and time.perf_counter() - t0 > budget_s:
+            seeds = seeds[:i]
+            break
+        video, c = render_clips(seeds[i:i + cfg.encode_batch], cfg, device)
+        lat.append(encode_latents(vae, video).to(torch.bfloat16 if device.type == "cuda" else torch.float32))
+        caps += c
+    log(f"dataset: {len(seeds)} clips rendered and encoded in {time.perf_counter() - t0:.1f} s")
+    return torch.cat(lat), caps, seeds
+
+
+def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: torch.device, seed: int,
+              budget_s: float | None, init: Path | None = None,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    vae = _load_vae(vae_folder, device)
+    data, captions, data_seeds = build_dataset(vae, cfg, device, seed,
+                                               None if budget_s is None else 0.25 * budget_s, log)
+    tokenizer = word_tokenizer(scenes.vocabulary(), cfg.text_len)
+    ids, mask = tokenize(tokenizer, captions, cfg.text_len)
+    empty_ids, empty_mask = tokenize(tokenizer, [""], cfg.text_len)
+    ids, mask = ids.to(device), mask.to(device)
+    empty_ids, empty_mask = empty_ids.to(device), empty_mask.to(device)
+    if init is None:
+        encoder = build_text_encoder(cfg, len(tokenizer), seed).to(device).train()
+        dit = build_dit(cfg, seed).to(device).train()
+    else:  # continue an earlier `dit` run (weights only: optimizer state and the schedule start afresh)
+        encoder, dit = _load_release(init, device)
+        tokenizer = word_tokenizer(scenes.vocabulary(), cfg.text_len)
+    dit.state.cache_cross_attn = False  # the text changes every step
+    ema_dit, ema_enc = frozen_copy(dit), frozen_copy(encoder)
+    f = data.shape[1]
+    tpf = dit.tokens_per_frame(data.shape[3], data.shape[4])
+    masks = {fpb: teacher_forcing_mask(f, fpb, tpf, device) for fpb in (cfg.frames_per_block, 1)}
+    gen = torch.Generator(device=device).manual_seed(seed + 10)
+    cpu_gen = torch.Generator().manual_seed(seed + 11)
+
+    def loss_fn(step: int) -> torch.Tensor:
+        idx = torch.randint(0, data.shape[0], (cfg.dit_batch,), generator=cpu_gen).to(device)
+        x0 = data[idx].float()
+        drop = (torch.rand(cfg.dit_batch, generator=cpu_gen) < cfg.empty_caption).to(device)
+        b_ids = torch.where(drop[:, None], empty_ids, ids[idx])
+        b_mask = torch.where(drop[:, None], empty_mask, mask[idx])
+        context = text_states(encoder, b_ids, b_mask)
+        fpb = 1 if float(torch.rand(1, generator=cpu_gen)) < cfg.framewise else cfg.frames_per_block
+        t = block_timesteps(gen, cfg.dit_batch, f, fpb, cfg.shift, device)
+        sigma = (t / 1000).view(*t.shape, 1, 1, 1)
+        noise = torch.randn(x0.shape, generator=gen, device=device)
+        noisy = (1 - sigma) * x0 + sigma * noise
+        flow = teacher_forced_flow(dit, x0, noisy, t, context, masks[fpb])
+        return F.mse_loss(flow.float(), noise - x0)
+
+    def after(step: int) -> None:
+        ema_update(ema_dit, dit, cfg.ema)
+        ema_update(ema_enc, encoder, cfg.ema)
+
+    remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
+    stats = optimise(list(dit.parameters()) + list(encoder.parameters()), loss_fn, steps=cfg.dit_steps,
+                      lr=cfg.dit_lr, warmup=cfg.warmup, budget_s=remaining, device=device, after_step=after, log=log,
+                      name="dit")
+    write_release(out, cfg, vae=vae, encoder=ema_enc, tokenizer=tokenizer, dit=ema_dit)
+    return {**stats, "dataset_clips": len(data_seeds), "dataset_seed": seed}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 3: ODE distillation for the few-step loops
+
+
+def loop_timesteps(preset_name: str) -> list[float]:
+    """The timesteps a preset calls the model at after block 0 (all of them: these presets use one list)."""
+    first, rest = get_preset(preset_name).schedules()
+    return sorted({round(float(t), 6) for t in first + rest}, reverse=True)
+
+
+def ode_grid(steps: int, shift: float, keep: list[float]) -> list[float]:
+    """Euler nodes from t = 1000 to 0: `steps` shifted-uniform steps with the `keep` timesteps inserted exactly."""
+    u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    nodes = {round(float(1000 * shifted_sigmas(x, shift)), 6) for x in u} | {round(float(t), 6) for t in keep}
+    return sorted(nodes, reverse=True)
+
+
+@torch.no_grad()
+def ode_rollout(dit, context: torch.Tensor, uncond: torch.Tensor | None, noise: torch.Tensor, *, fpb: int,
+                grid: list[float], guidance: float, capture: list[float]) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
+    """Integrate the flow ODE block by block with classifier-free guidance, committing each block's clean endpoint
+    to a native KV cache exactly as inference does (mode "commit" at t = 0). Returns the endpoints [B, F, C, h, w]
+    and the state at each `capture` timestep."""
+    from mmkv.cache import CacheConfig, KVStore
+
+    b, f = noise.shape[:2]
+    cfg_on = uncond is not None and guidance != 1.0
+    ctx = torch.cat([context, uncond]) if cfg_on else context
+    store = KVStore(CacheConfig(codec=None, residual_window=f), num_layers=dit.num_layers, num_heads=dit.num_heads,
+                    head_dim=dit.head_dim)
+    missing = sorted(set(capture) - set(grid))
+    if missing:
+        raise ValueError(f"capture timesteps {missing} are not nodes of the ODE grid")
+    out = torch.empty_like(noise)
+    caps = {t: torch.empty_like(noise) for t in capture}
+    dit.reset()
+    with store.attach(dit.transformer):
+        for s in range(0, f, fpb):
+            x = noise[:, s:s + fpb].float()
+            for t, t_next in zip(grid[:-1], grid[1:]):
+                if t in caps:
+                    caps[t][:, s:s + fpb] = x.to(noise.dtype)
+                inp = torch.cat([x, x]) if cfg_on else x
+                flow = dit(inp.to(dit.dtype), t, ctx, start_frame=s, mode="denoise").float()
+                if cfg_on:
+                    cond, unc = flow.chunk(2)
+                    flow = unc + guidance * (cond - unc)
+                x = x + (t_next - t) / 1000 * flow
+            out[:, s:s + fpb] = x.to(noise.dtype)
+            x0 = x.to(dit.dtype)
+            dit(torch.cat([x0, x0]) if cfg_on else x0, 0.0, ctx, start_frame=s, mode="commit")
+    return out, caps
+
+
+def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch.device, seed: int,
+            budget_s: float | None, init: Path | None = None,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    t_start = time.perf_counter()
+    comps = load_wan(dit_folder / "causvid", dit_folder / "base", device=device, dtype=torch.float32)
+    teacher, encoder, tokenizer, vae = comps.dit, comps.text_encoder, comps.tokenizer, comps.vae
+    teacher.eval()
+    # Trajectories come from the model as inference runs it (bf16 weights on CUDA, no autocast: the KV store takes
+    # K and V of one dtype); the student trains from the fp32 weights under autocast.
+    sampler = frozen_copy(teacher).to(torch.bfloat16) if device.type == "cuda" else teacher
+    chunk_ts = loop_timesteps("causvid")
+    frame_ts = loop_timesteps("causal-forcing-frame")
+    grid = ode_grid(cfg.ode_steps, cfg.shift, chunk_ts + frame_ts + [0.0])
+    s_factor = cfg.vae["scale_factor_spatial"]
+    f = 1 + (cfg.frames - 1) // cfg.vae["scale_factor_temporal"]
+    shape = (cfg.dit["in_channels"], cfg.height // s_factor, cfg.width // s_factor)
+    gen = torch.Generator().manual_seed(seed + 20)
+    noise_gen = torch.Generator(device=device).manual_seed(seed + 21)
+    n_frame = int(round(cfg.ode_clips * cfg.framewise))
+    trajectories: dict[int, dict[str, Any]] = {}
+    made: dict[int, int] = {}
+    t0 = time.perf_counter()
+    empty_ids, empty_mask = tokenize(tokenizer, [""], cfg.text_len)
+    for fpb, n, ts in ((cfg.frames_per_block, cfg.ode_clips - n_frame, chunk_ts), (1, n_frame, frame_ts)):
+        if n == 0:
+            continue
+        ends, states, ctxs = [], {t: [] for t in ts}, []
+        share = (n / cfg.ode_clips) * 0.4 * budget_s if budget_s is not None else None
+        t_kind = time.perf_counter()
+        for i in range(0, n, cfg.ode_batch):
+            if share is not None and i and time.perf_counter() - t_kind > share:
+                break  # out of this kind's share of the budget: train on what is there (recorded below)
+            m = min(cfg.ode_batch, n - i)
+            seeds = training_seeds(gen, m)
+            captions = [scenes.caption(scenes.sample_scene(s)) for s in seeds]
+            ids, mask = tokenize(tokenizer, captions, cfg.text_len)
+            with torch.no_grad():
+                context = text_states(encoder, ids.to(device), mask.to(device)).float()
+                uncond = text_states(encoder, empty_ids.expand(m, -1).to(device),
+                                     empty_mask.expand(m, -1).to(device)).float()
+                noise = torch.randn((m, f, *shape), generator=noise_gen, device=device)
+                end, caps = ode_rollout(sampler, context.to(sampler.dtype), uncond.to(sampler.dtype), noise,
+                                        fpb=fpb, grid=grid, guidance=cfg.guidance, capture=ts)
+            keep_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            ends.append(end.to(keep_dtype))
+            ctxs.append(context.to(keep_dtype))
+            for t in ts:
+                states[t].append(caps[t].to(keep_dtype))
+        trajectories[fpb] = {"end": torch.cat(ends), "context": torch.cat(ctxs),
+                             "states": {t: torch.cat(v) for t, v in states.items()}, "ts": ts}
+        made[fpb] = trajectories[fpb]["end"].shape[0]
+        log(f"distill: {made[fpb]} teacher trajectories with {fpb}-frame blocks ({len(grid) - 1} Euler steps, "
+            f"guidance {cfg.guidance})")
+    ode_seconds = time.perf_counter() - t0
+    student = (teacher if init is None else _load_release(init, device)[1]).train().requires_grad_(True)
+    student.state.cache_cross_attn = False
+    ema = frozen_copy(student)
+    tpf = student.tokens_per_frame(shape[1], shape[2])
+    masks = {fpb: teacher_forcing_mask(f, fpb, tpf, device) for fpb in trajectories}
+    train_gen = torch.Generator().manual_seed(seed + 22)
+
+    def loss_fn(step: int) -> torch.Tensor:
+        use_frame = 1 in trajectories and (cfg.frames_per_block not in trajectories
+                                           or float(torch.rand(1, generator=train_gen)) < cfg.framewise)
+        fpb = 1 if use_frame else cfg.frames_per_block
+        traj = trajectories[fpb]
+        idx = torch.randint(0, traj["end"].shape[0], (cfg.distill_batch,), generator=train_gen).to(device)
+        x0 = traj["end"][idx].float()
+        blocks = f // fpb
+        pick = torch.randint(0, len(traj["ts"]), (cfg.distill_batch, blocks), generator=train_gen)
+        t = torch.tensor(traj["ts"], dtype=torch.float32)[pick].repeat_interleave(fpb, dim=1).to(device)
+        stack = torch.stack([traj["states"][ts][idx] for ts in traj["ts"]], dim=0)  # [T, B, F, C, h, w]
+        choice = pick.repeat_interleave(fpb, dim=1).to(device)  # [B, F]
+        noisy = torch.gather(stack, 0, choice[None, :, :, None, None, None].expand(1, *stack.shape[1:]))[0].float()
+        flow = teacher_forced_flow(student, x0, noisy, t, traj["context"][idx].float(), masks[fpb])
+        x0_pred = noisy - (t / 1000).view(*t.shape, 1, 1, 1) * flow.float()
+        return F.mse_loss(x0_pred, x0)
+
+    remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
+    stats = optimise(list(student.parameters()), loss_fn, steps=cfg.distill_steps, lr=cfg.distill_lr,
+                      warmup=cfg.warmup, budget_s=remaining, device=device,
+                      after_step=lambda s: ema_update(ema, student, cfg.ema), log=log, name="distill")
+    write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema, base_from=dit_folder / "base")
+    return {**stats, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()}, "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
+            "capture_timesteps": {"causvid": chunk_ts, "causal-forcing-frame": frame_ts}}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Release layout
+
+
+def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, dit,
+                  base_from: Path | None = None) -> None:
+    """`out/base` (diffusers Wan folder) and `out/causvid/model.pt` (bf16 CausVid generator), as the loaders read.
+
+    The VAE and text encoder are stored in bf16 (the DiT's dtype in CausVid's release; loaders cast to the run's
+    dtype), keeping the whole model under the package-data budget."""
+    from mmkv.pipelines.wan.tiny import original_state_dict
+
+    base = out / "base"
+    if base_from is not None and base_from.resolve() != base.resolve():
+        if base.exists():
+            shutil.rmtree(base)
+        shutil.copytree(base_from, base)
+    else:
+        base.mkdir(parents=True, exist_ok=True)
+        _to_cpu_bf16(vae).save_pretrained(base / "vae")
+        _to_cpu_bf16(encoder).save_pretrained(base / "text_encoder")
+        tokenizer.save_pretrained(base / "tokenizer")
+        (base / "transformer").mkdir(exist_ok=True)
+        dit_cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.dit.items()}
+        (base / "transformer" / "config.json").write_text(json.dumps(
+            {"_class_name": "WanTransformer3DModel", **dit_cfg, "text_len": cfg.text_len}, indent=2) + "\n")
+        (base / "model_index.json").write_text(json.dumps({
+            "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+            "vae": ["diffusers", "AutoencoderKLWan"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "tokenizer": ["transformers", "T5TokenizerFast"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        }, indent=2) + "\n")
+    sd = original_state_dict(dit.transformer)
+    (out / "causvid").mkdir(parents=True, exist_ok=True)
+    torch.save({"generator": {"model." + k: v.to("cpu", torch.bfloat16).contiguous() for k, v in sorted(sd.items())}},
+               out / "causvid" / "model.pt")
+
+
+def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    return copy.deepcopy(module).to("cpu", torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stage", required=True, choices=STAGES, help="which model to train (in this order)")
+    parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS), help="model shapes and settings")
+    parser.add_argument("--from", dest="source", default=None,
+                        help="the previous stage's output folder (dit: the vae stage's; distill: the dit stage's)")
+    parser.add_argument("--init", default=None,
+                        help="continue from an earlier output of the same stage (weights only; the learning-rate "
+                             "schedule starts afresh): how a stage longer than one 10-minute GPU call is trained")
+    parser.add_argument("--out", required=True, help="output folder (created; must not hold another stage's output)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, noise and initialisation streams")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="wall-clock seconds for the stage: steps are cut to fit after a 50-step timing probe")
+    parser.add_argument("--steps", type=int, default=None, help="override the config's step count for this stage")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available; use --device cpu (slow) or a GPU machine")
+    overrides = {}
+    if args.steps is not None:
+        overrides[{"vae": "vae_steps", "dit": "dit_steps", "distill": "distill_steps"}[args.stage]] = args.steps
+    cfg = get_config(args.config, **overrides)
+    out = Path(args.out)
+    if (out / "train.json").is_file():
+        prev = json.loads((out / "train.json").read_text())
+        raise ValueError(f"{out} already holds a trained {prev.get('stage')!r} stage; choose another --out")
+    if args.stage != "vae" and args.source is None:
+        raise ValueError(f"--stage {args.stage} needs --from, the previous stage's output folder")
+    out.mkdir(parents=True, exist_ok=True)
+    source = Path(args.source) if args.source else None
+    init = Path(args.init) if args.init else None
+    if init is not None and not (init / "train.json").is_file():
+        raise ValueError(f"--init {init} holds no train.json: give the output folder of an earlier run of this stage")
+    if init is not None and json.loads((init / "train.json").read_text()).get("stage") != args.stage:
+        raise ValueError(f"--init {init} is the output of another stage; --init continues the same stage")
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+    if args.stage == "vae":
+        stats = train_vae(cfg, out, device=device, seed=args.seed, budget_s=args.budget, init=init, log=log)
+    elif args.stage == "dit":
+        stats = train_dit(cfg, source, out, device=device, seed=args.seed, budget_s=args.budget, init=init, log=log)
+    else:
+        stats = distill(cfg, source, out, device=device, seed=args.seed, budget_s=args.budget, init=init, log=log)
+    record = {"stage": args.stage, "config": cfg.to_dict(), "seed": args.seed, "budget_s": args.budget,
+              "source": str(source) if source else None, "init": str(init) if init else None, "device": device_name(device),
+              "wall_seconds": round(time.perf_counter() - t0, 2), "versions": versions(), **stats}
+    atomic_write_json(out / "train.json", record)
+    log(f"{args.stage}: done in {record['wall_seconds']} s -> {out}")
+    return 0

@@ -1,0 +1,158 @@
+"""`mmkv train video` on the CPU: a micro configuration trains for a few steps per stage, its losses fall, and its
+output is the release layout the loaders read unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from mmkv.pipelines.wan import train
+
+
+def _run(stage: str, out, source=None, steps=None, init=None, seed=0):
+    ns = argparse.Namespace(stage=stage, config="micro", source=str(source) if source else None, out=str(out),
+                            seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None)
+    assert train.run(ns) == 0
+    return json.loads((out / "train.json").read_text())
+
+
+def _falls(curve, ratio):
+    """The mean loss of the last third of the curve is below `ratio` x that of the first third."""
+    k = max(1, len(curve) // 3)
+    first = sum(v for _, v in curve[:k]) / k
+    last = sum(v for _, v in curve[-k:]) / k
+    return last < ratio * first
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    vae = _run("vae", root / "vae")
+    dit = _run("dit", root / "dit", root / "vae")
+    dist = _run("distill", root / "distill", root / "dit")
+    return root, vae, dit, dist
+
+
+def test_teacher_forcing_mask_is_block_causal_with_the_noisy_copy_seeing_only_earlier_clean_blocks():
+    m = train.teacher_forcing_mask(num_frames=6, frames_per_block=3, tokens_per_frame=2)
+    L = 12
+    assert m.shape == (2 * L, 2 * L)
+    clean = lambda f: slice(2 * f, 2 * f + 2)  # noqa: E731
+    noisy = lambda f: slice(L + 2 * f, L + 2 * f + 2)  # noqa: E731
+    assert m[clean(4), clean(1)].all() and not m[clean(1), clean(4)].any()  # clean: block-causal
+    assert not m[clean(0), noisy(0)].any()  # clean never sees noise
+    assert m[noisy(4), clean(2)].all() and not m[noisy(4), clean(3)].any()  # earlier clean blocks only
+    assert m[noisy(4), noisy(3)].all() and not m[noisy(4), noisy(1)].any()  # its own noisy block only
+    framewise = train.teacher_forcing_mask(num_frames=6, frames_per_block=1, tokens_per_frame=2)
+    assert framewise[noisy(4), clean(3)].all() and not framewise[noisy(4), noisy(3)].any()
+
+
+def test_noisy_copy_reuses_the_clean_rope_indices():
+    """With frame_positions [0..F-1, 0..F-1] a noisy frame gets the same rotary table row as its clean frame."""
+    dit = train.build_dit(train.get_config("micro"), seed=0)
+    rope = dit.transformer.rope
+    dit.state.frame_positions = torch.tensor([0, 1, 0, 1])
+    cos, _ = rope(torch.zeros(1, 16, 4, 2, 2))
+    dit.state.frame_positions = None
+    per_frame = cos.view(4, 4, -1)  # [frames, tokens a frame (1x... grid of 1x2 tokens -> 1*1), dim]
+    assert torch.equal(per_frame[0], per_frame[2]) and torch.equal(per_frame[1], per_frame[3])
+    assert not torch.equal(per_frame[0], per_frame[1])
+
+
+def test_every_stage_lowers_its_loss_and_writes_weights_only(stages):
+    root, vae, dit, dist = stages
+    assert _falls(vae["loss_curve"], 0.75), vae["loss_curve"]
+    assert _falls(dit["loss_curve"], 0.9), dit["loss_curve"]
+    assert _falls(dist["loss_curve"], 0.9), dist["loss_curve"]
+    for rec in (vae, dit, dist):
+        assert rec["steps"] == rec["planned_steps"] and rec["ms_per_step"] > 0
+    ckpt = torch.load(root / "distill" / "causvid" / "model.pt", weights_only=True, map_location="cpu")
+    assert set(ckpt) == {"generator"}  # no optimizer state
+    assert all(v.dtype == torch.bfloat16 for v in ckpt["generator"].values())
+
+
+def test_the_release_layout_loads_through_the_loaders_and_rolls_out(stages):
+    from mmkv.pipelines.common import NoiseStream
+    from mmkv.pipelines.wan.loaders import load_wan
+    from mmkv.pipelines.wan.loop import get_preset
+    from mmkv.pipelines.wan.pipeline import WanVideoPipeline
+
+    root = stages[0] / "distill"
+    comps = load_wan(root / "causvid", root / "base", device="cpu")
+    cfg = train.get_config("micro")
+    assert comps.vae.config.scale_factor_spatial == 4 and comps.dit.head_dim == cfg.dit["attention_head_dim"]
+    pipe = WanVideoPipeline(comps, get_preset("causvid"))
+    grid = pipe.grid(cfg.frames, cfg.height, cfg.width)
+    store = pipe.make_store(None, residual_window=1)
+    context = pipe.encode_text(["a small red circle moving left slowly"])
+    res = pipe.generate(context, NoiseStream(0, 0), store, grid)
+    frames = pipe.decode(res.latents)
+    assert frames.shape == (1, cfg.frames, cfg.height, cfg.width, 3)
+    assert torch.isfinite(res.latents).all()
+
+
+def test_word_tokenizer_gives_one_id_a_word_and_lower_cases():
+    tok = train.word_tokenizer(["a", "red", "circle"], text_len=8)
+    ids = tok(["A red circle", "a red blob"], padding="max_length", max_length=8).input_ids
+    assert ids[0][:4] == [3, 5, 4, 1] and ids[0][4:] == [0] * 4
+    assert ids[1][2] == 2  # unknown word
+
+
+def test_a_second_stage_into_the_same_folder_is_refused(stages, tmp_path):
+    root = stages[0]
+    with pytest.raises(ValueError, match="already holds"):
+        _run("vae", root / "vae")
+    with pytest.raises(ValueError, match="needs --from"):
+        _run("dit", tmp_path / "x")
+
+
+def test_init_continues_a_stage_from_its_weights_and_refuses_another_stage(stages, tmp_path):
+    root, *_ = stages
+    more = _run("dit", tmp_path / "dit2", root / "vae", steps=3, init=root / "dit", seed=1)
+    assert more["init"] == str(root / "dit") and more["steps"] == 3
+    # starting from the trained weights, the first loss is already near where the first run ended
+    first_run = json.loads((root / "dit" / "train.json").read_text())["loss_curve"]
+    assert more["loss_curve"][0][1] < first_run[0][1]
+    with pytest.raises(ValueError, match="another stage"):
+        _run("dit", tmp_path / "dit3", root / "vae", steps=3, init=root / "vae")
+
+
+def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path):
+    from mmkv.cli import main
+    from mmkv.pipelines.wan.evaluate import evaluate_preset
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    root = stages[0] / "distill"
+    cfg = train.get_config("micro")
+    out = tmp_path / "eval.json"
+    argv = ["eval", "video", "--ckpt", str(root / "causvid"), "--base", str(root / "base"), "-n", "2",
+            "--presets", "causvid", "--frames", str(cfg.frames), "--height", str(cfg.height), "--width",
+            str(cfg.width), "--no-past", "--random-dit", "--vae-clips", "1", "--out", str(out)]
+    assert main(argv) == 0
+    rec = json.loads(out.read_text())
+    assert [(r["model"], r["no_past"]) for r in rec["runs"]] == [("trained", False), ("trained", True),
+                                                                ("random DiT", False)]
+    assert all(r["summary"]["clips"] == 2 and len(r["clips"]) == 2 for r in rec["runs"])
+    assert rec["held_out_seeds"][0] >= 10_000_000 and "vae_held_out_psnr_db" in rec
+    # the no-past control really removes the past: same noise, other frames after block 1
+    comps = load_wan(root / "causvid", root / "base", device="cpu")
+    prompts = [(s, "a small red circle moving left slowly") for s in (10_000_000,)]
+    shape = {"frames": cfg.frames, "height": cfg.height, "width": cfg.width, "seed": 0}
+    with_past = evaluate_preset(comps, "causvid", prompts, keep_frames=1, **shape)["frames"][0]
+    no_past = evaluate_preset(comps, "causvid", prompts, keep_frames=1, no_past=True, **shape)["frames"][0]
+    assert (with_past[:9] == no_past[:9]).all() and not (with_past[9:] == no_past[9:]).all()
+
+
+def test_summary_counts_a_missing_object_as_wrong():
+    from mmkv.pipelines.wan.evaluate import summarize
+
+    clip = {"found": True, "colour_ok": True, "shape_ok": False, "size_ok": True, "direction_ok": True,
+            "speed_ok": None, "consistency": 0.5, "windows": [{}, {"background_psnr": 30.0}]}
+    lost = {"found": False, "colour_ok": None, "shape_ok": None, "size_ok": None, "direction_ok": None,
+            "speed_ok": None, "consistency": None, "windows": []}
+    s = summarize([clip, lost])
+    assert s["found_pct"] == 50.0 and s["colour_pct"] == 50.0 and s["shape_pct"] == 0.0
+    assert s["consistency_pct"] == 50.0 and s["background_psnr_db"] == 30.0
