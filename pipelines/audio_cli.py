@@ -5,10 +5,11 @@ cache) and one rollout per codec run from the same sampling uniforms (same seed 
 
     RUN/rollouts/<clip stem>/<reference | codec slug>/{audio.wav, tokens.safetensors, latent.safetensors, rollout.json}
 
-with rollout.json last (atomic), so a rerun skips finished rollouts. The KV cache lives in an `mmkv.cache.KVStore`
-whose unit is one scale; `--residual-window` counts scales including the current one (1 = only the current scale is
-native, audio.md §5.3). Clips are sharded round-robin over torchrun ranks; each rank writes manifest.rank{R}.json and
-prints a table per clip and overall (LSD, log-mel MSE, SNR, latent cosine; min / mean / max).
+with rollout.json last (atomic), so a rerun skips finished rollouts, and the rollout's wall times just after it in
+timings.json. The KV cache lives in an `mmkv.cache.KVStore` whose unit is one scale; `--residual-window` counts scales
+including the current one (1 = only the current scale is native, audio.md §5.3). Clips are sharded round-robin over
+torchrun ranks; each rank writes manifest.rank{R}.json (and its wall times in timings.rank{R}.json) and prints a table
+per clip and overall (LSD, log-mel MSE, SNR, latent cosine; min / mean / max).
 
 A clip that cannot be used (corrupt, empty, wrong embedding size) is reported with its file name and skipped; the
 other clips finish and the command exits 1. So does a rollout whose waveform or latent holds NaN / Inf: it writes
@@ -236,9 +237,10 @@ def _effective_bits(stats: dict[str, Any]) -> float | None:
 
 
 def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tensor, cond_info: dict[str, Any],
-                spec: CodecSpec | None) -> dict[str, Any]:
-    """Render one rollout and write its files, rollout.json last; a rollout whose waveform or latent holds NaN/Inf
-    writes only failed.json and returns that record (`status: failed`)."""
+                spec: CodecSpec | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Render one rollout and write its files, rollout.json last, then timings.json; returns the record and the wall
+    times. A rollout whose waveform or latent holds NaN/Inf writes only failed.json and returns that record
+    (`status: failed`) and None."""
     from mmkv.pipelines.aar.clap import embedding_sha256
     from mmkv.pipelines.aar.sample import rollout
 
@@ -256,7 +258,7 @@ def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tens
                                 "non-finite output", reason, noise_sha256=r.noise_sha256, rank=ctx.rank,
                                 **(ctx.hashes or {}))
         ctx.folder.write_failure(item, variant, record)
-        return record
+        return record, None
     peak_mem = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
     stats = store.stats()
     t0 = time.perf_counter()
@@ -300,7 +302,6 @@ def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tens
         "condition": dict(cond_info),
         "condition_sha256": embedding_sha256(cond),
         "cache": store.manifest(),
-        "timings": timings,
         "peak_memory_bytes": peak_mem,
         "device": str(ctx.device),
         "rank": ctx.rank,
@@ -308,8 +309,8 @@ def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tens
         "versions": ctx.versions,
         **(ctx.hashes or {}),
     }
-    ctx.folder.write_rollout(item, variant, record)
-    return record
+    ctx.folder.write_rollout(item, variant, record, timings)
+    return record, timings
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -359,13 +360,15 @@ def text_table(header: list[str], rows: list[list[str]], title: str = "") -> str
     return text if title else text.split("\n", 2)[2]
 
 
-def clip_table(records: dict[str, dict[str, Any]], metrics: dict[str, dict[str, Any]]) -> str:
+def clip_table(records: dict[str, dict[str, Any]], metrics: dict[str, dict[str, Any]],
+               timings: dict[str, dict[str, Any] | None]) -> str:
+    """One clip's rollouts; `timings` holds each variant's timings.json, None (shown as '-') where it is missing."""
     header = ["variant", "KVx", "bits", *(m[1] for m in METRICS), "time s"]
     rows = []
     for variant, rec in records.items():
         m = metrics.get(variant, {})
         rows.append([variant, _fmt(rec.get("kv_ratio")), _fmt(rec.get("effective_bits")),
-                     *(_fmt(m.get(k)) for k, _ in METRICS), _fmt(rec.get("timings", {}).get("total_s"), ".2f")])
+                     *(_fmt(m.get(k)) for k, _ in METRICS), _fmt((timings.get(variant) or {}).get("total_s"), ".2f")])
     return text_table(header, rows)
 
 
@@ -459,9 +462,8 @@ def run(args: argparse.Namespace) -> int:
     manifest = folder.open_manifest(config, identity_keys=(
         "aar_sha256", "sat_sha256", "conditioner_sha256", "conditioner_key", "seed", "sampling", "residual_window",
         "value_group", "protected_layers", "codec_seed"), labels=HASH_LABELS)
-    run_entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "rank": rank, "world_size": world,
-                 "device": str(device), "codecs": [s.preset for s in specs]}
-    manifest["runs"] = manifest["runs"] + [run_entry]
+    clock = manifest.start_run({"rank": rank, "world_size": world, "device": str(device),
+                                "codecs": [s.preset for s in specs]})
     # (item, variant) -> failure; variant None: the clip itself could not be used
     failures = {(f["item"], f.get("variant")): f for f in manifest.data.get("failures", []) if isinstance(f, dict)}
     vers = versions()
@@ -486,6 +488,7 @@ def run(args: argparse.Namespace) -> int:
             item, path = names[index], paths[index]
             text = str(path) if path is not None else f"embedding:{item}"
             records: dict[str, dict[str, Any]] = {}
+            timings: dict[str, dict[str, Any] | None] = {}
             cond = cond_info = None
             try:
                 for variant, spec in variants:
@@ -493,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
                     rec = folder.rollout_record(item, variant)
                     if rec is not None:
                         folder.check_identity(item, variant, rec, hashes, HASH_LABELS)
+                        timings[variant] = folder.rollout_timings(item, variant)
                     else:
                         if cond is None:
                             cond, cond_info = conditioner.get(item, path, folder.root / "conditions")
@@ -501,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
                             if cond_info.get("silent"):
                                 print(f"warning: clip {path} is silent; its CLAP embedding carries no information",
                                       flush=True)
-                        rec = run_variant(ctx, item, index, text, cond, cond_info, spec)
+                        rec, timings[variant] = run_variant(ctx, item, index, text, cond, cond_info, spec)
                         if rec.get("status") == "failed":
                             failures[item, variant] = rec
                             say(f"{item} {variant}: failed: {rec['error']}")
@@ -509,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
                             continue
                         failures.pop((item, variant), None)
                         rendered += 1
-                        say(rollout_line(item, variant, rec["timings"].get("total_s"), rec["kv_bytes"],
+                        say(rollout_line(item, variant, timings[variant].get("total_s"), rec["kv_bytes"],
                                          rec["peak_kv_bytes"]))
                     records[variant] = rec
                     bar.update(1)
@@ -538,15 +542,14 @@ def run(args: argparse.Namespace) -> int:
                     "dir": str(folder.rollout_dir(item, variant).relative_to(folder.root)),
                     "noise_sha256": rec.get("noise_sha256"), "tokens_sha256": rec.get("tokens_sha256"),
                     "kv_ratio": rec.get("kv_ratio"), "effective_bits": rec.get("effective_bits"),
-                    "peak_kv_bytes": rec.get("peak_kv_bytes"), "timings": rec.get("timings"),
-                    "metrics": metrics.get(variant),
-                })
+                    "peak_kv_bytes": rec.get("peak_kv_bytes"), "metrics": metrics.get(variant),
+                }, timings.get(variant))
             manifest["failures"] = list(failures.values())
             manifest.save()
-            bar.write(f"\n{item} ({text})\n{clip_table(records, metrics)}")
+            bar.write(f"\n{item} ({text})\n{clip_table(records, metrics, timings)}")
     finally:
         bar.close()
-    run_entry["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    clock["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     manifest["failures"] = list(failures.values())
     manifest.save()
 

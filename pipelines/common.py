@@ -4,9 +4,15 @@ Everything a generation command needs besides the model: atomic file writes, pro
 sharding, seeded noise with a SHA-256 of every byte drawn, and the run-folder layout the metrics read:
 
     RUN/manifest.rank{R}.json                 run config, versions, checkpoint hashes, rollouts this rank wrote
+    RUN/timings.rank{R}.json                  wall times of this rank: when each run started and ended, per rollout
     RUN/rollouts/<item>/<variant>/...         one folder per (prompt or clip, reference or codec)
     RUN/rollouts/<item>/<variant>/rollout.json   written LAST, atomically: its presence marks the rollout complete
+    RUN/rollouts/<item>/<variant>/timings.json   the rollout's wall times, written just after rollout.json
     RUN/rollouts/<item>/<variant>/failed.json    instead, when the rollout ran but its output holds NaN / Inf
+
+Wall times live only in the two timings files, so two identical runs write identical bytes in every other file. A
+timings file may be missing (a run killed between the two writes, or deleted): readers show no time then, and a
+rollout without one is still complete.
 
 A rerun of the same command skips complete rollouts and redoes incomplete (and failed) ones, so a sweep killed at any
 point and restarted loses nothing and duplicates nothing; it must use the same checkpoints (their SHA-256 are
@@ -22,6 +28,7 @@ import pickle
 import platform
 import re
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -398,6 +405,7 @@ class NoiseStream:
 
 
 FAILED_FILE = "failed.json"  # beside rollout.json: a rollout that ran and failed (reason inside), never both
+TIMINGS_FILE = "timings.json"  # beside rollout.json: its wall times, kept apart so rollout.json depends only on inputs
 
 
 class NonFiniteError(ValueError):
@@ -496,17 +504,31 @@ class RunFolder:
     def is_complete(self, item: str, variant: str) -> bool:
         return self.rollout_record(item, variant) is not None
 
-    def write_rollout(self, item: str, variant: str, record: dict[str, Any]) -> Path:
-        """Write rollout.json last and atomically; call only after every file it lists is in place. A failure record
-        of an earlier attempt is removed: this one succeeded."""
+    def rollout_timings(self, item: str, variant: str) -> dict[str, Any] | None:
+        """The wall times of a rollout (its timings.json), or None when it is missing or unreadable."""
+        try:
+            timings = json.loads((self.rollout_dir(item, variant) / TIMINGS_FILE).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return None
+        return timings if isinstance(timings, dict) else None
+
+    def write_rollout(self, item: str, variant: str, record: dict[str, Any],
+                      timings: dict[str, Any] | None = None) -> Path:
+        """Write rollout.json last and atomically, then its `timings`; call only after every file it lists is in
+        place. A failure record of an earlier attempt is removed: this one succeeded."""
         path = self.rollout_dir(item, variant) / "rollout.json"
+        # an older attempt's times must not pass as this rollout's if the run is killed between the two writes
+        (path.parent / TIMINGS_FILE).unlink(missing_ok=True)
         atomic_write_json(path, record)
         (path.parent / FAILED_FILE).unlink(missing_ok=True)
+        if timings is not None:
+            atomic_write_json(path.parent / TIMINGS_FILE, timings)
         return path
 
     def write_failure(self, item: str, variant: str, record: dict[str, Any]) -> Path:
         """Record a rollout that ran but produced no usable output (e.g. NaN latents) as `failed.json`, so the report
         can list it; no rollout.json is written, so the rollout stays incomplete and a rerun tries it again."""
+        (self.rollout_dir(item, variant) / TIMINGS_FILE).unlink(missing_ok=True)  # an older attempt's
         return atomic_write_json(self.rollout_dir(item, variant) / FAILED_FILE, record)
 
     # -- manifest ------------------------------------------------------------------------------------------------
@@ -514,14 +536,19 @@ class RunFolder:
     def manifest_path(self) -> Path:
         return self.root / f"manifest.rank{self.rank}.json"
 
+    @property
+    def timings_path(self) -> Path:
+        return self.root / f"timings.rank{self.rank}.json"
+
     def open_manifest(self, config: dict[str, Any], *, identity_keys: Sequence[str] = (),
                       labels: dict[str, str] | None = None) -> "Manifest":
         """Load this rank's manifest (or start one). When resuming, the values of `identity_keys` in the stored config
         must equal the new ones (a rerun with another seed, model or checkpoint must not mix into the same folder);
-        `labels` names the input behind a `*_sha256` key in the error. Temp files of this rank's manifest left by a
-        killed write are removed first (only this rank writes them)."""
+        `labels` names the input behind a `*_sha256` key in the error. Temp files of this rank's manifest and timings
+        left by a killed write are removed first (only this rank writes them)."""
         remove_stale_temps(self.manifest_path)
-        return Manifest(self.manifest_path, config, identity_keys, labels)
+        remove_stale_temps(self.timings_path)
+        return Manifest(self.manifest_path, config, identity_keys, labels, timings_path=self.timings_path)
 
     def check_identity(self, item: str, variant: str, record: dict[str, Any], expected: dict[str, Any],
                        labels: dict[str, str] | None = None) -> None:
@@ -547,12 +574,18 @@ def identity_mismatch(where: Path, key: str, old: Any, new: Any, labels: dict[st
 
 class Manifest:
     """One rank's manifest: run config, versions, extra facts (checkpoint hashes), rollouts written; saved
-    atomically."""
+    atomically, with this rank's wall times (`timings`: run start and end, per-rollout times) in a file of their own.
+
+    `runs` in the manifest lists each invocation's settings; the timings file's `runs` entry `{"run": i, "started",
+    "finished"}` gives the times of the manifest's `runs[i]`, and its `rollouts` maps `item/variant` to that rollout's
+    timings.json."""
 
     def __init__(self, path: Path, config: dict[str, Any], identity_keys: Sequence[str] = (),
-                 labels: dict[str, str] | None = None):
+                 labels: dict[str, str] | None = None, *, timings_path: Path):
         self.path = path
+        self.timings_path = timings_path
         self.data: dict[str, Any] = {"config": config, "versions": versions(), "rollouts": [], "runs": []}
+        self.timings: dict[str, Any] = _read_timings(self.timings_path)
         if path.exists():
             old = read_json(path)
             if not isinstance(old, dict) or "config" not in old:
@@ -565,6 +598,27 @@ class Manifest:
             self.data["runs"] = list(old.get("runs", []))
             for k, v in old.items():
                 self.data.setdefault(k, v)
+            self._move_old_wall_times()
+
+    def _move_old_wall_times(self) -> None:
+        """Manifests written before the timings file held the times inline: move them there."""
+        for i, run in enumerate(self.data["runs"]):
+            clock = {k: run.pop(k) for k in _RUN_CLOCK if isinstance(run, dict) and k in run}
+            if clock:
+                self.timings["runs"].append({"run": i, **clock})
+        for entry in self.data["rollouts"]:
+            if isinstance(entry, dict) and ("timings" in entry or "seconds" in entry):
+                old = entry.pop("timings", None) or {"total": entry.get("seconds")}
+                entry.pop("seconds", None)
+                self.timings["rollouts"].setdefault(f"{entry.get('item')}/{entry.get('variant')}", old)
+
+    def start_run(self, facts: dict[str, Any]) -> dict[str, Any]:
+        """Record one invocation: its `facts` (settings, versions) in the manifest, its start time in the timings;
+        returns that timings entry, where the caller may set `finished`."""
+        self.data["runs"].append(dict(facts))
+        clock = {"run": len(self.data["runs"]) - 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.timings["runs"].append(clock)
+        return clock
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.data[key] = value
@@ -572,14 +626,34 @@ class Manifest:
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
 
-    def add_rollout(self, entry: dict[str, Any]) -> None:
-        """Record a rollout (replacing an earlier entry for the same item and variant)."""
+    def add_rollout(self, entry: dict[str, Any], timings: dict[str, Any] | None = None) -> None:
+        """Record a rollout (replacing an earlier entry for the same item and variant) and its wall times, when known
+        (a finished rollout whose timings.json is gone keeps the times recorded here before)."""
         key = (entry["item"], entry["variant"])
         self.data["rollouts"] = [r for r in self.data["rollouts"] if (r["item"], r["variant"]) != key]
         self.data["rollouts"].append(entry)
+        if timings is not None:
+            self.timings["rollouts"][f"{key[0]}/{key[1]}"] = timings
 
     def save(self) -> Path:
-        return atomic_write_json(self.path, self.data)
+        atomic_write_json(self.path, self.data)
+        atomic_write_json(self.timings_path, self.timings)
+        return self.path
+
+
+_RUN_CLOCK = ("started", "finished")  # the wall-clock keys of a `runs` entry
+
+
+def _read_timings(path: Path) -> dict[str, Any]:
+    """A rank's timings file, or an empty one when it is missing or unreadable: times are never worth refusing a
+    resume over."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        old = None
+    old = old if isinstance(old, dict) else {}
+    runs, rollouts = old.get("runs"), old.get("rollouts")
+    return {"runs": runs if isinstance(runs, list) else [], "rollouts": rollouts if isinstance(rollouts, dict) else {}}
 
 
 def _jsonable(x: Any) -> Any:

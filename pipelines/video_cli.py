@@ -10,12 +10,13 @@ fit the budget (planned by `mmkv.cache.fit_attention_window` before anything is 
 the reference keeps `--window` (global when absent).
 
 Per (prompt, variant) it writes RUN/rollouts/pNNNN/<variant>/{frames.npy, latents.safetensors, video.mp4} and last,
-atomically, rollout.json; a rerun skips complete rollouts. A rollout whose latents or decoded frames hold NaN / Inf
-writes failed.json (with the reason) instead and the command exits 1; a rerun tries it again. A rerun must give the
-same checkpoint and base files: their SHA-256 are in the manifest and in every rollout.json, and a mismatch is refused.
-Under torchrun each rank takes prompts i with i % WORLD_SIZE == RANK and writes its own RUN/manifest.rank{R}.json. The
-reference and every codec of a prompt draw identical noise from a private generator seeded by (seed, prompt index);
-its SHA-256 is recorded per rollout. One line per rollout (seconds, KV bytes) and a summary go to stdout.
+atomically, rollout.json, then the rollout's wall times in timings.json; a rerun skips complete rollouts. A rollout
+whose latents or decoded frames hold NaN / Inf writes failed.json (with the reason) instead and the command exits 1; a
+rerun tries it again. A rerun must give the same checkpoint and base files: their SHA-256 are in the manifest and in
+every rollout.json, and a mismatch is refused. Under torchrun each rank takes prompts i with i % WORLD_SIZE == RANK and
+writes its own RUN/manifest.rank{R}.json and RUN/timings.rank{R}.json. The reference and every codec of a prompt draw
+identical noise from a private generator seeded by (seed, prompt index); its SHA-256 is recorded per rollout. One line
+per rollout (seconds, KV bytes) and a summary go to stdout.
 """
 
 from __future__ import annotations
@@ -279,13 +280,12 @@ def run(args: argparse.Namespace) -> int:
             record = folder.rollout_record(item_name(i), variant)
             if record is not None:
                 folder.check_identity(item_name(i), variant, record, hashes, HASH_LABELS)
-                manifest.add_rollout(_manifest_entry(record))
+                manifest.add_rollout(_manifest_entry(record), folder.rollout_timings(item_name(i), variant))
     pending = {(item_name(i), REFERENCE if spec is None else spec.variant) for i, spec in todo}
     failures = {(f["item"], f["variant"]): f for f in manifest.data.get("failures", [])
                 if isinstance(f, dict) and (f.get("item"), f.get("variant")) in pending}  # failed before, retried
     manifest["failures"] = list(failures.values())
-    manifest["runs"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "pending": len(todo),
-                             "versions": versions()})
+    clock = manifest.start_run({"pending": len(todo), "versions": versions()})
     manifest.save()
     if not todo:
         say(f"rank {rank}: all {len(mine) * len(variants)} rollouts already complete in {folder.root}")
@@ -313,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
             contexts[index] = pipe.encode_text([prompts[index]])
             text_seconds = time.perf_counter() - t0
         plan = windows[REFERENCE if spec is None else spec.variant]
-        record = _render(pipe, folder, grid, args, index, prompts[index], spec, contexts[index], rank, protected, plan)
+        record, timings = _render(pipe, folder, grid, args, index, prompts[index], spec, contexts[index], rank,
+                                  protected, plan)
         key = (record["item"], record["variant"])
         record.update(hashes)
         if record.get("status") == "failed":
@@ -321,15 +322,17 @@ def run(args: argparse.Namespace) -> int:
             failures[key] = record
             say(f"{key[0]} {key[1]}: failed: {record['error']}")
         else:
-            record["timings"]["text_encode"] = text_seconds
-            folder.write_rollout(*key, record)  # last, atomically: marks completion
-            manifest.add_rollout(_manifest_entry(record))
+            timings["text_encode"] = text_seconds
+            folder.write_rollout(*key, record, timings)  # last, atomically: marks completion
+            manifest.add_rollout(_manifest_entry(record), timings)
             failures.pop(key, None)
-            say(rollout_line(*key, record["timings"]["total"], record["kv_bytes"], record["peak_kv_bytes"]))
+            say(rollout_line(*key, timings["total"], record["kv_bytes"], record["peak_kv_bytes"]))
         manifest["failures"] = list(failures.values())
         manifest.save()
         bar.update(1)
     bar.close()
+    clock["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    manifest.save()
     say(f"rank {rank}: {len(todo) - len(failures)} rollout(s) rendered, {len(mine) * len(variants) - len(todo)} "
         f"already complete, {len(failures)} failed, in {folder.root}")
     for f in failures.values():
@@ -347,7 +350,10 @@ def _input_hashes(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: CodecSpec | None,
-            context: torch.Tensor, rank: int, protected: tuple[int, ...], plan: dict[str, Any]) -> dict[str, Any]:
+            context: torch.Tensor, rank: int, protected: tuple[int, ...],
+            plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Render one rollout and write its media; returns its record (rollout.json, or a failure record) and its wall
+    times (None for a failure)."""
     item = item_name(index)
     variant = REFERENCE if spec is None else spec.variant
     out_dir = folder.rollout_dir(item, variant)
@@ -376,7 +382,7 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
         frames = pipe.decode(result.latents)[0]
     except NonFiniteError as err:
         return failure_record("video", item, index, variant, None if spec is None else spec.preset,
-                              "non-finite output", str(err), noise_sha256=noise.sha256, rank=rank)
+                              "non-finite output", str(err), noise_sha256=noise.sha256, rank=rank), None
     decode_seconds = time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     budget = args.kv_budget_bytes
@@ -398,7 +404,7 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
         # The native cache (or nothing encoded yet): bits of what is held, measured (16 in bf16 on GPU, 32 in fp32
         # on CPU), as `mmkv compare audio` reports it.
         effective_bits = stats.get("effective_bits")
-    return {
+    record = {
         "kind": "video", "item": item, "item_index": index, "text": prompt, "variant": variant,
         "preset": None if spec is None else spec.preset,
         "k_codec": None if spec is None else str(spec.k), "v_codec": None if spec is None else str(spec.v),
@@ -411,12 +417,13 @@ def _render(pipe, folder: RunFolder, grid, args, index: int, prompt: str, spec: 
         "within_budget": None if budget is None else store.peak_nbytes <= budget,
         "latent_frames": grid.latent_frames,
         "seed": args.seed, "model": args.model, "residual_window": args.residual_window,
-        "timings": {"total": denoise_seconds + decode_seconds, "denoise": denoise_seconds,
-                    "per_block": result.block_seconds, "vae_decode": decode_seconds},
         "peak_memory_bytes": peak, "rank": rank, "files": dict(FILES), "versions": versions(),
         "grid": grid.to_dict(), "dit_calls": result.calls, "cache": store.manifest(),
         "frames_shape": list(frames.shape),
     }
+    timings = {"total": denoise_seconds + decode_seconds, "denoise": denoise_seconds,
+               "per_block": result.block_seconds, "vae_decode": decode_seconds}
+    return record, timings
 
 
 def _manifest_entry(record: dict[str, Any]) -> dict[str, Any]:
@@ -424,5 +431,4 @@ def _manifest_entry(record: dict[str, Any]) -> dict[str, Any]:
             "peak_kv_bytes", "peak_memory_bytes", "window", "kv_budget_bytes")
     entry = {k: record.get(k) for k in keys}
     entry["path"] = f"rollouts/{record['item']}/{record['variant']}"
-    entry["seconds"] = record.get("timings", {}).get("total")
     return entry

@@ -18,7 +18,7 @@ from mmkv.pipelines.aar.tiny import random_condition, write_tiny_checkpoints
 CONTRACT_KEYS = {
     "kind", "item", "item_index", "text", "variant", "preset", "k_codec", "v_codec", "bits", "effective_bits",
     "kv_bytes", "bf16_kv_bytes", "kv_ratio", "peak_kv_bytes", "noise_sha256", "seed", "model", "residual_window",
-    "sample_rate", "timings", "peak_memory_bytes", "rank", "files", "versions",
+    "sample_rate", "peak_memory_bytes", "rank", "files", "versions",
 }
 
 

@@ -304,7 +304,8 @@ def test_generate_video_self_forcing_rolls_out_and_records_ftfy(video, tmp_path)
     out = tmp_path / "sf_run"
     assert main(video_argv(video, out, "--max-prompts", "1", model="self-forcing", ckpt=video["self_forcing"])) == 0
     rec = json.loads((out / "rollouts" / "p0000" / "reference" / "rollout.json").read_text())
-    assert rec["model"] == "self-forcing" and len(rec["timings"]["per_block"]) == 3  # 9 latent frames, blocks of 3
+    timings = json.loads((out / "rollouts" / "p0000" / "reference" / "timings.json").read_text())
+    assert rec["model"] == "self-forcing" and len(timings["per_block"]) == 3  # 9 latent frames, blocks of 3
     frames = np.load(out / "rollouts" / "p0000" / "reference" / "frames.npy")
     assert frames.shape == (33, 32, 48, 3) and frames.std() > 1
     manifest = json.loads((out / "manifest.rank0.json").read_text())

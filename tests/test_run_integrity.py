@@ -289,24 +289,13 @@ def test_a_truncated_or_empty_mp4_is_refused(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # Identical runs, identical bytes
 
-# Fields that hold wall-clock times, and only those: they differ between any two runs.
-WALL_TIMES = {"rollout.json": ("timings",), "manifest": ("runs",), "manifest rollouts": ("seconds", "timings")}
+# The files that hold wall-clock times, and only those: they differ between any two runs.
+WALL_TIME_FILES = ("timings.json", "timings.rank*.json")
 
 
-def _without_wall_times(path: Path) -> dict:
-    data = json.loads(path.read_text())
-    if path.name == "rollout.json":
-        return {k: v for k, v in data.items() if k not in WALL_TIMES["rollout.json"]}
-    data = {k: v for k, v in data.items() if k not in WALL_TIMES["manifest"]}
-    data["rollouts"] = [{k: v for k, v in r.items() if k not in WALL_TIMES["manifest rollouts"]}
-                        for r in data["rollouts"]]
-    return data
-
-
-def _fingerprint(out: Path) -> dict[str, object]:
-    return {str(p.relative_to(out)): (_without_wall_times(p) if p.name == "rollout.json" or
-                                      p.name.startswith("manifest.") else sha256(p))
-            for p in sorted(out.rglob("*")) if p.is_file()}
+def _fingerprint(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): sha256(p) for p in sorted(out.rglob("*"))
+            if p.is_file() and not any(p.match(pattern) for pattern in WALL_TIME_FILES)}
 
 
 def test_identical_runs_write_identical_bytes(assets, tmp_path, capsys):
@@ -318,8 +307,76 @@ def test_identical_runs_write_identical_bytes(assets, tmp_path, capsys):
         first, second = _fingerprint(tmp_path / a), _fingerprint(tmp_path / b)
         assert sorted(first) == sorted(second)
         assert [k for k in first if first[k] != second[k]] == []
+        names = {Path(k).name for k in first}
+        assert {"rollout.json", "manifest.rank0.json"} <= names  # the records are hashed, not skipped
+        # the times are where the readers look for them, and nowhere else
+        left_out = sorted(str(p.relative_to(tmp_path / a)) for p in (tmp_path / a).rglob("timings*.json"))
+        assert left_out == sorted(["timings.rank0.json", *(str(Path(k).parent / "timings.json")
+                                                           for k in first if k.endswith("rollout.json"))])
+        for k in first:
+            if k.endswith(".json"):
+                assert not {"timings", "seconds", "started", "finished"} & set(_keys(json.loads(
+                    (tmp_path / a / k).read_text()))), k
     assert {Path(k).name for k in first} >= {"audio.wav", "tokens.safetensors", "latent.safetensors"}
     assert b"PEAK" not in (tmp_path / "a1" / "rollouts" / "clip0" / "reference" / "audio.wav").read_bytes()
+
+
+def _keys(obj) -> set[str]:
+    """Every dict key anywhere in a JSON document."""
+    if isinstance(obj, dict):
+        return set(obj) | set().union(*map(_keys, obj.values()))
+    if isinstance(obj, list):
+        return set().union(*map(_keys, obj))
+    return set()
+
+
+def test_a_rollout_whose_timings_are_gone_is_still_complete(assets, tmp_path, capsys):
+    out = tmp_path / "v"
+    assert run(video(assets, out), capsys)[0] == 0
+    d = out / "rollouts" / "p0000" / "reference"
+    timings = json.loads((d / "timings.json").read_text())
+    assert len(timings["per_block"]) == 1 and timings["total"] > 0  # 9 frames: 3 latent frames, one block
+    rank = json.loads((out / "timings.rank0.json").read_text())
+    assert rank["rollouts"]["p0000/reference"] == timings and rank["runs"][0]["run"] == 0
+    assert {"started", "finished"} <= set(rank["runs"][0])
+    (d / "timings.json").unlink()
+    (out / "timings.rank0.json").unlink()
+    stamp = (d / "rollout.json").stat().st_mtime_ns
+    rc, stdout, _ = run(video(assets, out), capsys)
+    assert rc == 0 and "already complete" in stdout and (d / "rollout.json").stat().st_mtime_ns == stamp
+    assert not (d / "timings.json").exists()
+    manifest = json.loads((out / "manifest.rank0.json").read_text())
+    assert [r["variant"] for r in manifest["rollouts"]] == ["reference", "identity_dtypenative"]
+    assert [r["pending"] for r in manifest["runs"]] == [2, 0]
+    assert json.loads((out / "timings.rank0.json").read_text())["runs"][0]["run"] == 1
+
+    a = tmp_path / "a"  # audio: the table shows '-' for the time it no longer knows
+    rc, stdout, _ = run(audio(assets, a), capsys)
+    rows = [line for line in stdout.splitlines() if line.startswith("| reference ")]
+    assert rc == 0 and len(rows) == 2 and not any(row.rstrip(" |").endswith("-") for row in rows), rows
+    for p in a.rglob("timings.json"):
+        p.unlink()
+    rc, stdout, _ = run(audio(assets, a), capsys)
+    rows = [line for line in stdout.splitlines() if line.startswith("| reference ")]
+    assert rc == 0 and "0 rollout(s) rendered" in stdout and len(rows) == 2
+    assert all(row.rstrip(" |").endswith("-") for row in rows), rows
+
+
+def test_a_manifest_with_inline_wall_times_moves_them_to_the_timings_file(tmp_path):
+    """Run folders written before the timings files existed resume into the new layout."""
+    folder = common.RunFolder(tmp_path / "run")
+    folder.manifest_path.write_text(json.dumps({
+        "config": {"seed": 0}, "runs": [{"started": "2025-01-01T10:00:00", "pending": 2}],
+        "rollouts": [{"item": "p0000", "variant": "reference", "seconds": 1.5},
+                     {"item": "clip0", "variant": "reference", "timings": {"total_s": 2.5}}]}))
+    folder.open_manifest({"seed": 0}, identity_keys=("seed",)).save()
+    manifest = json.loads(folder.manifest_path.read_text())
+    assert manifest["runs"] == [{"pending": 2}]
+    assert manifest["rollouts"] == [{"item": "p0000", "variant": "reference"},
+                                    {"item": "clip0", "variant": "reference"}]
+    timings = json.loads(folder.timings_path.read_text())
+    assert timings == {"runs": [{"run": 0, "started": "2025-01-01T10:00:00"}],
+                       "rollouts": {"p0000/reference": {"total": 1.5}, "clip0/reference": {"total_s": 2.5}}}
 
 
 def test_safetensors_and_wav_bytes_depend_only_on_their_content(tmp_path):
