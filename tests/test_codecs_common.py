@@ -6,7 +6,6 @@ representative ones; a codec registered later is covered at its default preset a
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
