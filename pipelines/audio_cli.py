@@ -15,6 +15,11 @@ A clip that cannot be used (corrupt, empty, wrong embedding size) is reported wi
 other clips finish and the command exits 1. So does a rollout whose waveform or latent holds NaN / Inf: it writes
 failed.json (with the reason) instead of rollout.json and is listed in the manifest's `failures`. A rerun must give the
 same AAR / SAT checkpoints and conditioner (their SHA-256 are in the manifest and every rollout.json).
+
+A clip's caption, when a UTF-8 `<clip stem>.txt` lies beside it (e.g. `clips/k03.wav` and `clips/k03.txt`), is
+recorded as `caption` in each of its rollout.json files (None otherwise); AAR itself is conditioned on the clip's
+CLAP embedding only. `mmkv report` scores the rollouts of a procedural caption (`mmkv.pipelines.aar.sounds`) for
+adherence. The caption is no part of a resume's identity: finished rollouts keep the caption they recorded.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ AUDIO_FILES = {"audio": "audio.wav", "tokens": "tokens.safetensors", "latent": "
 # The inputs a resume must share with the run that made the folder, by SHA-256 (rollout.json records them too).
 HASH_LABELS = {"aar_sha256": "AAR checkpoint", "sat_sha256": "SAT checkpoint",
                "conditioner_sha256": "conditioner (--clap / --embeddings)"}
+CAPTION_SUFFIX = ".txt"  # <clip stem>.txt beside a clip holds its caption
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or one .safetensors/.npz file keyed by clip stem")
     g.add_argument("--clips", nargs="+", metavar="DIR|FILE",
                    help="audio clips (any common format and sample rate) or folders searched recursively; may be "
-                        "omitted with --embeddings (one rollout per embedding)")
+                        "omitted with --embeddings (one rollout per embedding). A <clip stem>.txt beside a clip is "
+                        "its caption, recorded for `mmkv report`")
     g.add_argument("--limit", type=int, metavar="N", help="only the first N clips (in sorted order)")
     g = parser.add_argument_group("codecs and cache")
     g.add_argument("--codecs", action="append", metavar="PRESET[,PRESET...]",
@@ -184,6 +191,20 @@ def clip_warnings(path: Path | None, info: dict[str, Any]) -> list[str]:
     return []
 
 
+def clip_caption(path: Path | None) -> str | None:
+    """The caption in the `<clip stem>.txt` beside a clip (surrounding whitespace dropped), or None where there is
+    none. Raises ClipError when that file is not UTF-8 text."""
+    from mmkv.pipelines.aar.clap import ClipError
+
+    side = None if path is None else path.with_suffix(CAPTION_SUFFIX)
+    if side is None or not side.is_file():
+        return None
+    try:
+        return side.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ClipError(f"caption {side} cannot be read as UTF-8 text ({err}); fix or remove it") from None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # One rollout
 
@@ -237,7 +258,7 @@ def _effective_bits(stats: dict[str, Any]) -> float | None:
 
 
 def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tensor, cond_info: dict[str, Any],
-                spec: CodecSpec | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                spec: CodecSpec | None, caption: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Render one rollout and write its files, rollout.json last, then timings.json; returns the record and the wall
     times. A rollout whose waveform or latent holds NaN/Inf writes only failed.json and returns that record
     (`status: failed`) and None."""
@@ -275,6 +296,7 @@ def run_variant(ctx: Context, item: str, index: int, text: str, cond: torch.Tens
         "item": item,
         "item_index": index,
         "text": text,
+        "caption": caption,
         "variant": variant,
         "preset": None if spec is None else spec.preset,
         "k_codec": None if spec is None else str(spec.k),
@@ -491,6 +513,7 @@ def run(args: argparse.Namespace) -> int:
             timings: dict[str, dict[str, Any] | None] = {}
             cond = cond_info = None
             try:
+                caption = clip_caption(path)
                 for variant, spec in variants:
                     bar.set_postfix_str(f"{item} / {variant}", refresh=False)
                     rec = folder.rollout_record(item, variant)
@@ -505,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
                             if cond_info.get("silent"):
                                 print(f"warning: clip {path} is silent; its CLAP embedding carries no information",
                                       flush=True)
-                        rec, timings[variant] = run_variant(ctx, item, index, text, cond, cond_info, spec)
+                        rec, timings[variant] = run_variant(ctx, item, index, text, cond, cond_info, spec, caption)
                         if rec.get("status") == "failed":
                             failures[item, variant] = rec
                             say(f"{item} {variant}: failed: {rec['error']}")

@@ -49,11 +49,12 @@ def _rollout_json(kind, item, index, variant, preset, bits, kv, eff, rank, files
 
 
 def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48), presets=PRESETS, mp4=False,
-             colours=None, config=None, texts=None, render=None):
+             colours=None, config=None, texts=None, render=None, captions=None):
     """Write a run: `shards` is a list of (run folder, rank, world size); items go round-robin over the ranks, as
     torchrun sharding does. Same seed -> byte-identical content whatever the split. `config` joins each manifest's
-    config (e.g. what the pipelines record of the rollouts a run renders). `texts`: each item's prompt;
-    `render(item index, variant)`: a video rollout's uint8 frames instead of noise around the reference."""
+    config (e.g. what the pipelines record of the rollouts a run renders). `texts`: each item's prompt; `captions`:
+    each audio clip's caption (what `mmkv compare audio` records from a `<clip stem>.txt`); `render(item index,
+    variant)`: a rollout's uint8 frames (video) or float waveform (audio) instead of noise around the reference."""
     ref_rng = np.random.default_rng(seed)
     items = []
     for i in range(n_items):
@@ -68,6 +69,9 @@ def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48
                 ref = np.clip(np.repeat(np.repeat(low, 8, 1), 8, 2) + ref_rng.normal(0, 8, (frames, *size, 3)),
                               0, 255).astype(np.uint8)
             latent = torch.from_numpy(ref_rng.standard_normal((frames // 4, 4, 6, 8)).astype(np.float32))
+        elif render:
+            ref = render(i, "reference")
+            latent = torch.from_numpy(ref_rng.standard_normal((1, 8, 38)).astype(np.float32))
         else:
             t = np.arange(12000) / SR
             ref = sum(ref_rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * ref_rng.uniform(100, 6000) * t)
@@ -104,7 +108,8 @@ def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48
                         iio.imwrite(d / "video.mp4", x, fps=FPS, codec="libx264", macro_block_size=16)
                         files["video"] = "video.mp4"
                 else:
-                    y = ref + (sigma / 300 * rng.standard_normal(ref.shape)).astype(np.float32)
+                    y = render(i, variant) if render else ref + (sigma / 300 * rng.standard_normal(ref.shape)).astype(
+                        np.float32)
                     sf.write(d / "audio.wav", y, SR, subtype="FLOAT")
                     save_file({"latent": latent + sigma / 40 * torch.from_numpy(
                         rng.standard_normal(tuple(latent.shape)).astype(np.float32))}, str(d / "latent.safetensors"))
@@ -114,6 +119,8 @@ def make_run(shards, *, kind="video", seed=0, n_items=3, frames=36, size=(32, 48
                 info = _rollout_json(kind, name, i, variant, preset, bits, kv, eff, rank, files, seed)
                 if texts:
                     info["text"] = texts[i]
+                if captions:
+                    info["caption"] = captions[i]
                 (d / "rollout.json").write_text(json.dumps(info))
                 entries.append({"item": name, "variant": variant})
         config_ = {"seed": seed, "world_size": world, **(config or {})}

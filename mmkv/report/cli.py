@@ -7,7 +7,10 @@ metrics.json beside each rollout. Every rollout a run's config expects that is m
 exits 1 on any of it.
 
 Where a video run's prompts are procedural captions (`mmkv.pipelines.wan.scenes`), every rollout, the reference
-included, is also scored for prompt adherence and scene consistency from its own frames (`mmkv.report.adherence`).
+included, is also scored for prompt adherence and scene consistency from its own frames (`mmkv.report.adherence`);
+where an audio run's clips carry procedural captions (`mmkv.pipelines.aar.sounds`, recorded by `mmkv compare audio`
+from a `<clip stem>.txt` beside each clip), for adherence from its own waveform, and each codec rollout for how
+well its onsets agree with the reference's.
 
 Without --out, the tables go to stdout in the first text format asked for. With --out DIR: DIR/table.<ext> and
 DIR/windows.<ext> per format, DIR/rollouts.csv and DIR/frames.csv (long form), DIR/problems.txt (when any),
@@ -43,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", default=None, metavar="LIST",
                    help="metrics in the main table, e.g. lpips,psnr,lsd_db,snr_db (default: lpips, psnr, ssim, "
                         "latent_cosine, adherence, consistency for video (the last two where prompts are procedural "
-                        "captions); lsd_db, snr_db, log_mel_mse, latent_cosine for audio)")
+                        "captions); lsd_db, snr_db, log_mel_mse, latent_cosine, adherence, onset_match, "
+                        "onset_error_ms for audio (the last three where clips have procedural captions))")
     p.add_argument("--gallery-items", type=int, default=None, metavar="N", help="show at most N items per model")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-cache", action="store_true", help="recompute metrics and do not write metrics.json")
@@ -85,7 +89,8 @@ def parse_metrics(text: str | None) -> dict[str, tuple[str, ...]] | None:
     if bad or not names:
         raise UsageError(f"--metrics: unknown metric(s) {bad or text!r}; choose from {', '.join(METRICS)}")
     video = {"lpips", "psnr", "psnr_frame_mean", "ssim", "latent_cosine", "adherence", "consistency"}
-    audio = {"lsd_db", "snr_db", "log_mel_mse", "latent_cosine", "token_agreement"}
+    audio = {"lsd_db", "snr_db", "log_mel_mse", "latent_cosine", "token_agreement", "adherence", "onset_match",
+             "onset_error_ms"}
     return {"video": tuple(m for m in names if m in video) or DEFAULT_METRICS["video"],
             "audio": tuple(m for m in names if m in audio) or DEFAULT_METRICS["audio"]}
 

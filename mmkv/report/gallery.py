@@ -27,6 +27,7 @@ from mmkv.report.summary import ADHERENCE_METRICS, LPIPS_NOTE, METRICS, Summary,
 STILL_WIDTH = 320  # px; posters are area-averaged down to at most this width
 CAPTION_METRICS = {"video": ("lpips", "psnr", "ssim"), "audio": ("lsd_db", "snr_db", "log_mel_mse")}
 SPEC_RANGE = (-5.0, 2.0)  # log10 mel range shown (the 1e-5 floor up to loud content)
+ONSET_METRICS = ("onset_match", "onset_error_ms")  # against the reference: nothing to say on the reference itself
 
 
 def _url(path: Path, base: Path) -> str:
@@ -118,7 +119,8 @@ def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: P
     else:
         line = "not measured"
     if score is not None:  # a procedural caption: adherence of this rollout alone, the reference's too
-        line += " · " + " · ".join(f"{METRICS[k].label} {_fmt_metric(k, score.get(k))}" for k in ADHERENCE_METRICS)
+        keys = [k for k in ADHERENCE_METRICS[kind] if not (r.is_reference and k in ONSET_METRICS)]
+        line += " · " + " · ".join(f"{METRICS[k].label} {_fmt_metric(k, score.get(k))}" for k in keys)
     cls = "cell reference" if r.is_reference else "cell"
     return (f'<figure class="{cls}" data-variant="{html.escape(r.variant)}">{"".join(parts)}<figcaption>'
             f'<span class="name">{html.escape(label)}</span><span class="m">{html.escape(line)}</span>'
@@ -144,7 +146,8 @@ def gallery_sections(s: Summary, rs: RunSet, out: Path, max_items: int | None = 
         for item in items:
             have = by_item[item]
             ref = have.get(REFERENCE)
-            text = (ref or next(iter(have.values()))).info.get("text") or ""
+            info = (ref or next(iter(have.values()))).info
+            text = info.get("caption") or info.get("text") or ""  # an audio clip's caption, else its path
             cells = [f'<div class="rowhead"><b>{html.escape(item)}</b><p>{html.escape(str(text)[:300])}</p></div>',
                      _cell(ref, "reference", None, g.kind, out, out / "stills" / gs / item / f"{REFERENCE}.png",
                            s.score(g, item, REFERENCE))]

@@ -7,8 +7,9 @@ model, every statistic is taken over the items that every codec has; where codec
 left out are named in the tables' notes, in csv/json columns and as a problem line (and where no item is common to
 all codecs, each codec's own items are used and nothing is ranked).
 
-Where prompts are procedural captions, each cell also holds the adherence and consistency of its rollouts
-(`mmkv.report.adherence`), and the reference, scored the same way, gets a row of its own that is never ranked.
+Where prompts are procedural captions, each cell also holds the adherence and consistency (audio: adherence and
+onset agreement with the reference) of its rollouts (`mmkv.report.adherence`), and the reference, scored the same
+way, gets a row of its own that is never ranked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from mmkv.metrics.video import DEFAULT_FPS, psnr_from_mse, windowed_means
+from mmkv.report.adherence import ONSET_TOLERANCE_S
 from mmkv.report.runs import REFERENCE, Measured
 from mmkv.report.tables import Column, Table
 
@@ -56,10 +58,13 @@ METRICS = {
     # Of each rollout alone (mmkv.report.adherence), where the prompts are procedural captions; shown in percent.
     "adherence": MetricSpec("adherence", "adherence", "higher", 2, "{:.0%}"),
     "consistency": MetricSpec("consistency", "consistency", "higher", 2, "{:.0%}"),
+    # Audio: a codec rollout's onsets against its reference's (the reference's own row shows –).
+    "onset_match": MetricSpec("onset_match", "onsets≈", "higher", 2, "{:.0%}"),
+    "onset_error_ms": MetricSpec("onset_error_ms", "onset Δms", "lower", 1),
 }
-ADHERENCE_METRICS = ("adherence", "consistency")
-DEFAULT_METRICS = {"video": ("lpips", "psnr", "ssim", "latent_cosine") + ADHERENCE_METRICS,
-                   "audio": ("lsd_db", "snr_db", "log_mel_mse", "latent_cosine")}
+ADHERENCE_METRICS = {"video": ("adherence", "consistency"), "audio": ("adherence", "onset_match", "onset_error_ms")}
+DEFAULT_METRICS = {"video": ("lpips", "psnr", "ssim", "latent_cosine") + ADHERENCE_METRICS["video"],
+                   "audio": ("lsd_db", "snr_db", "log_mel_mse", "latent_cosine") + ADHERENCE_METRICS["audio"]}
 # Per block after block 1 of a procedural clip: whether it matches block 1 (share of items), its background's PSNR.
 BLOCK_METRICS = {"consistency": METRICS["consistency"],
                  "background_psnr": MetricSpec("background_psnr", "background PSNR", "higher", 1)}
@@ -183,8 +188,8 @@ def _num(x) -> float | None:
 
 def summarize(measured: list[Measured], *, window_edges_s=None, adherence=None) -> Summary:
     """Cells of every (group, codec preset) over the items all its codecs have. `adherence`
-    (`mmkv.report.adherence.Scores`) adds adherence and consistency to every cell, and a reference row (whose
-    rollouts are scored too) to each video group with a procedural caption."""
+    (`mmkv.report.adherence.Scores`) adds adherence and consistency (audio: adherence and onset agreement) to every
+    cell, and a reference row (whose rollouts are scored too) to each group with a procedural caption."""
     by_cell: dict[tuple, list[Measured]] = {}
     groups: dict[tuple, Group] = {}
     rows: dict[str, Row] = {}
@@ -224,10 +229,10 @@ def summarize(measured: list[Measured], *, window_edges_s=None, adherence=None) 
             cells[g.key, preset] = _cell(used, g, window_edges_s)
             cells[g.key, preset].left_out = [m.test.item for m in ms if common and m.test.item not in common]
             if adherence is not None:
-                _add_adherence(cells[g.key, preset], [adherence.get(m.test) for m in used])
+                _add_adherence(cells[g.key, preset], [adherence.get(m.test) for m in used], g.kind)
         if g.uneven:
             problems.append(_uneven_line(g, [r for r in row_list if r.preset in mine], covered))
-        if adherence is not None and g.kind == "video":
+        if adherence is not None:
             refs = {m.test.item: m.ref for ms in mine.values() for m in ms}
             items = g.common_items or sorted(refs, key=order.get)
             g.scored_items = [i for i in items if i in adherence.procedural.get(g.key, ())]
@@ -235,23 +240,23 @@ def summarize(measured: list[Measured], *, window_edges_s=None, adherence=None) 
             ref = Cell(items=items, values={}, kv_ratio=_mean(refs[i].info.get("kv_ratio") for i in items),
                        effective_bits=_mean(refs[i].info.get("effective_bits") for i in items),
                        left_out=[i for i in sorted(refs, key=order.get) if i not in items])
-            if _add_adherence(ref, [adherence.get(refs[i]) for i in items]):
+            if _add_adherence(ref, [adherence.get(refs[i]) for i in items], g.kind):
                 cells[g.key, REFERENCE] = ref
     if any(k[1] == REFERENCE for k in cells):
         row_list.insert(0, Row(REFERENCE, REFERENCE, None, label=REFERENCE))
     return Summary(group_list, row_list, cells, measured, problems, adherence)
 
 
-def _add_adherence(cell: Cell, scores: list[dict | None]) -> bool:
-    """Adds the per-item adherence and consistency of a cell's rollouts (None: not a procedural caption, or not
-    scored) and the per-block means over items; False when none of them is scored."""
+def _add_adherence(cell: Cell, scores: list[dict | None], kind: str) -> bool:
+    """Adds the per-item adherence scores of a cell's rollouts (None: not a procedural caption, or not scored) and,
+    for video, the per-block means over items; False when none of them is scored."""
     if not any(scores):
         return False
-    for key in ADHERENCE_METRICS:
+    for key in ADHERENCE_METRICS[kind]:
         cell.values[key] = [None if sc is None else sc[key] for sc in scores]
     blocks: dict[str, dict] = {}
     for sc in scores:
-        for b in sc["blocks"] if sc else []:
+        for b in sc.get("blocks", []) if sc else []:
             e = blocks.setdefault(b["label"], {"label": b["label"], "first_frame": b["first_frame"],
                                                "end_frame": b["end_frame"], "match": [], "background_psnr": []})
             e["match"].append(b["match"])
@@ -456,7 +461,7 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         notes.append("Audio: LSD in dB (10 × log10-power LSD, Hann, n_fft 2048, hop 512); SNR in dB capped at 120 "
                      "(= bit-identical), @cap = share of clips at the cap; mel MSE = log10-mel MSE (80 Slaney mels, "
                      "n_fft 1024, hop 256); cos = SAT latent cosine.")
-    shown = [g for g in s.groups if set(metrics.get(g.kind, ())) & set(ADHERENCE_METRICS)]
+    shown = [g for g in s.groups if set(metrics.get(g.kind, ())) & set(ADHERENCE_METRICS[g.kind])]
     notes += _lpips_note(s.groups) + _coverage_notes(s.groups) + _adherence_notes(s, shown, per_block=False)
     title = "Compressed-KV rollouts against the native-cache reference" + (
         f" ({', '.join(g.label for g in s.groups)})" if s.groups else "")
@@ -472,24 +477,35 @@ def _adherence_notes(s: Summary, groups: list[Group], per_block: bool) -> list[s
     groups = [g for g in groups if (g.key, REFERENCE) in s.cells]
     if not groups:
         return []
+    notes = []
     if per_block:
-        notes = ["consistency / background PSNR per block, for procedural captions (blocks after block 1, which is "
-                 "frames 0–8; then 12 frames a block, the CausVid blocks): the share of items whose block shows "
-                 "block 1's unnamed scene (stripe colours and phase, second object, bar), and the mean PSNR (dB, "
-                 "capped at 100 = unchanged) of its background pixels against block 1's per-pixel median. Each "
-                 "rollout is scored alone, so the reference has its own row (never marked)."]
-    else:
-        notes = ["adherence: the share of the caption's named attributes (colour, shape, size, direction, speed) "
-                 "that mmkv.metrics.adherence reads from a rollout's own frames (0 when no object of a named colour "
-                 "is found); consistency: the share of the blocks after block 1 whose unnamed scene (stripes, second "
-                 "object, bar) matches block 1's (– where block 1 shows no striped background). Each rollout is "
-                 "scored alone, against its caption, so the reference (native cache) has its own row (never "
-                 "marked): how well the model itself follows the captions."]
+        notes += ["consistency / background PSNR per block, for procedural captions (blocks after block 1, which is "
+                  "frames 0–8; then 12 frames a block, the CausVid blocks): the share of items whose block shows "
+                  "block 1's unnamed scene (stripe colours and phase, second object, bar), and the mean PSNR (dB, "
+                  "capped at 100 = unchanged) of its background pixels against block 1's per-pixel median. Each "
+                  "rollout is scored alone, so the reference has its own row (never marked)."]
+    if not per_block and any(g.kind == "video" for g in groups):
+        notes += ["adherence: the share of the caption's named attributes (colour, shape, size, direction, speed) "
+                  "that mmkv.metrics.adherence reads from a rollout's own frames (0 when no object of a named colour "
+                  "is found); consistency: the share of the blocks after block 1 whose unnamed scene (stripes, second "
+                  "object, bar) matches block 1's (– where block 1 shows no striped background). Each rollout is "
+                  "scored alone, against its caption, so the reference (native cache) has its own row (never "
+                  "marked): how well the model itself follows the captions."]
+    if not per_block and any(g.kind == "audio" for g in groups):
+        notes += ["Audio adherence: the share of the caption's named attributes (kind; a note's pitch within 50 "
+                  "cents, waveform and envelope; a chirp's direction; a burst's band; the number of clicks) that "
+                  "mmkv.metrics.audio_adherence reads from a rollout's own waveform (0 when it is silent), each "
+                  "rollout alone against its clip's caption, so the reference has its own row (never marked); "
+                  f"onsets≈: the share of the reference's onsets that the codec's rollout matches within "
+                  f"{ONSET_TOLERANCE_S * 1000:g} ms (one to one); onset Δms: the mean distance from each reference "
+                  "onset to the rollout's nearest (– without onsets, and for the reference itself)."]
     for g in groups:
         if g.unscored_items:
-            notes.append(f"{g.label}: adherence and consistency are over the {len(g.scored_items)} item(s) whose "
+            what, why = (("adherence and consistency", "name no scene") if g.kind == "video" else
+                         ("adherence and onset agreement", "have no procedural caption"))
+            notes.append(f"{g.label}: {what} are over the {len(g.scored_items)} item(s) whose "
                          f"prompt is a procedural caption ({', '.join(g.scored_items)}) only; the other "
-                         f"{len(g.unscored_items)} ({', '.join(g.unscored_items)}) name no scene and are not scored.")
+                         f"{len(g.unscored_items)} ({', '.join(g.unscored_items)}) {why} and are not scored.")
     return notes
 
 
@@ -564,7 +580,9 @@ def rollouts_table(s: Summary) -> Table:
     info_keys = ["bits", "effective_bits", "kv_ratio", "kv_bytes", "bf16_kv_bytes", "peak_kv_bytes", "seed",
                  "noise_sha256", "rank"]
     scores = s.adherence.by_rollout if s.adherence is not None else {}
-    score_keys = [k for k in next(iter(scores.values()), {}) if k != "blocks"]
+    # Every scalar a score holds (video and audio scores hold different checks); lists (blocks, onsets) stay out.
+    score_keys = list(dict.fromkeys(k for sc in scores.values() for k, v in sc.items()
+                                    if not isinstance(v, (list, dict))))
     cols = [Column(k, (k,)) for k in ["kind", "model", "residual_window", "item", "item_index", "variant", "preset"]
             + info_keys + keys + ["lpips_trunk"] + score_keys]
     entries = [(m.test, m) for m in s.measured]
