@@ -22,6 +22,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "video"), "mmkv.bench.video", "GPU: full-size causal Wan DiT rollouts, compressed caches vs the bf16 cache"),
     (("inspect", "kv"), "mmkv.inspect", "KV-cache statistics of one rollout per layer and head (JSON + plot)"),
     (("train", "video"), "mmkv.pipelines.wan.train", "train the tiny video models on procedural clips (CUDA)"),
+    (("train", "audio"), "mmkv.pipelines.aar.train", "train the tiny audio models (CLAP, SAT, AAR) on procedural clips"),
     (("eval", "video"), "mmkv.pipelines.wan.evaluate", "prompt adherence of a video model on held-out procedural prompts"),
     (("codebooks", "build"), "mmkv.codecs.codebooks", "regenerate the shipped Lloyd-Max codebooks"),
 ]

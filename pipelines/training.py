@@ -5,12 +5,17 @@ EMA, the loss curve and one AdamW loop (installed as `mmkv.pipelines.training`; 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from mmkv.pipelines.common import atomic_write_json, versions
 
 
 def seeded(seed: int, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -94,7 +99,9 @@ def autocast(device: torch.device):
 def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Tensor], *, steps: int, lr: float,
               warmup: int, budget_s: float | None, device: torch.device,
               after_step: Callable[[int], None] | None = None, log: Callable[[str], None] = print,
-              name: str = "") -> dict[str, Any]:
+              name: str = "", amp: bool = True) -> dict[str, Any]:
+    """AdamW on `loss_fn(step)` for `steps` steps (cut to `budget_s`), under bf16 autocast on CUDA unless `amp` is
+    False (models whose distances or spectra must stay fp32 run without it)."""
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01, eps=1e-8)
     budget = Budget(steps, budget_s, probe=min(50, steps))
     curve = Curve(every=max(1, min(50, steps // 10)))
@@ -102,7 +109,7 @@ def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Te
     while step < budget.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, budget.steps, warmup, lr)
-        with autocast(device):
+        with autocast(device) if amp else torch.autocast(device.type, enabled=False):
             loss = loss_fn(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -130,3 +137,92 @@ def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Te
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The stage command line shared by `mmkv train video` and `mmkv train audio`
+
+
+def pick_config(configs: dict[str, Any], name: str, **overrides: Any) -> Any:
+    """The named frozen-dataclass config (it has `to_dict`) with some fields replaced; a clear error otherwise."""
+    if name not in configs:
+        raise ValueError(f"unknown training config {name!r}; expected one of {', '.join(configs)}")
+    cfg = configs[name]
+    bad = sorted(set(overrides) - set(cfg.to_dict()))
+    if bad:
+        raise ValueError(f"unknown config fields {bad}; expected some of {sorted(cfg.to_dict())}")
+    return dataclasses.replace(cfg, **overrides)
+
+
+def add_stage_arguments(parser, stages: tuple[str, ...], configs: dict[str, Any], source_help: str) -> None:
+    parser.add_argument("--stage", required=True, choices=stages, help="which model to train (in this order)")
+    parser.add_argument("--config", default="tiny", choices=sorted(configs), help="model shapes and settings")
+    parser.add_argument("--from", dest="source", default=None, help=source_help)
+    parser.add_argument("--init", default=None,
+                        help="continue from an earlier output of the same stage (weights only; the learning-rate "
+                             "schedule starts afresh): how a stage longer than one 10-minute GPU call is trained")
+    parser.add_argument("--out", required=True, help="output folder (created; must not hold another stage's output)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, noise and initialisation streams")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="wall-clock seconds for the stage: steps are cut to fit after a 50-step timing probe")
+    parser.add_argument("--steps", type=int, default=None, help="override the config's step count for this stage")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+
+
+@dataclass
+class StageRun:
+    """A stage command's checked arguments: device and folders, and a log with elapsed seconds."""
+
+    stage: str
+    device: torch.device
+    out: Path
+    source: Path | None
+    init: Path | None
+    started: float = field(default_factory=time.perf_counter)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.started:7.1f}s] {msg}", flush=True)
+
+
+def _stage_of(folder: Path, what: str) -> str | None:
+    record = folder / "train.json"
+    if not record.is_file():
+        raise ValueError(f"{what} {folder} holds no train.json: give the output folder of a training stage")
+    return json.loads(record.read_text()).get("stage")
+
+
+def start_stage(args, first_stage: str, previous: dict[str, str] | None = None) -> StageRun:
+    """Check a stage's arguments before anything is written: a free --out, --from for every stage after
+    `first_stage` (of the stage `previous[stage]` when given), --init from the same stage; then create --out."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available; use --device cpu (slow) or a GPU machine")
+    out = Path(args.out)
+    if (out / "train.json").is_file():
+        raise ValueError(f"{out} already holds a trained {_stage_of(out, '--out')!r} stage; choose another --out")
+    if args.stage != first_stage and args.source is None:
+        raise ValueError(f"--stage {args.stage} needs --from, the previous stage's output folder")
+    source = Path(args.source) if args.source else None
+    if source is not None and previous and args.stage in previous:
+        if _stage_of(source, "--from") != previous[args.stage]:
+            raise ValueError(f"--from {source} is not the output of the {previous[args.stage]!r} stage, which "
+                             f"--stage {args.stage} reads")
+    init = Path(args.init) if args.init else None
+    if init is not None and _stage_of(init, "--init") != args.stage:
+        raise ValueError(f"--init {init} is the output of another stage; --init continues the same stage")
+    out.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return StageRun(args.stage, device, out, source, init)
+
+
+def finish_stage(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """Write `train.json` (config, seeds, folders, device, versions and the stage's statistics) last."""
+    record = {"stage": run.stage, "config": config, "seed": args.seed, "budget_s": args.budget,
+              "source": str(run.source) if run.source else None, "init": str(run.init) if run.init else None,
+              "device": device_name(run.device), "wall_seconds": round(time.perf_counter() - run.started, 2),
+              "versions": versions(), **stats}
+    atomic_write_json(run.out / "train.json", record)
+    run.log(f"{run.stage}: done in {record['wall_seconds']} s -> {run.out}")
+    return record

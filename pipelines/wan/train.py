@@ -31,15 +31,16 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from mmkv.pipelines.common import atomic_write_json, versions
-from mmkv.pipelines.training import device_name, ema_update, frozen_copy, optimise, seeded
+from mmkv.pipelines.training import (
+    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, seeded, start_stage,
+)
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.loop import get_preset
 
@@ -134,13 +135,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
 
 
 def get_config(name: str, **overrides: Any) -> VideoTrainConfig:
-    if name not in CONFIGS:
-        raise ValueError(f"unknown training config {name!r}; expected one of {', '.join(CONFIGS)}")
-    cfg = CONFIGS[name]
-    bad = sorted(set(overrides) - set(cfg.to_dict()))
-    if bad:
-        raise ValueError(f"unknown config fields {bad}; expected some of {sorted(cfg.to_dict())}")
-    return replace(cfg, **overrides)
+    return pick_config(CONFIGS, name, **overrides)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -618,59 +613,22 @@ def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stage", required=True, choices=STAGES, help="which model to train (in this order)")
-    parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS), help="model shapes and settings")
-    parser.add_argument("--from", dest="source", default=None,
-                        help="the previous stage's output folder (dit: the vae stage's; distill: the dit stage's)")
-    parser.add_argument("--init", default=None,
-                        help="continue from an earlier output of the same stage (weights only; the learning-rate "
-                             "schedule starts afresh): how a stage longer than one 10-minute GPU call is trained")
-    parser.add_argument("--out", required=True, help="output folder (created; must not hold another stage's output)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, noise and initialisation streams")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="wall-clock seconds for the stage: steps are cut to fit after a 50-step timing probe")
-    parser.add_argument("--steps", type=int, default=None, help="override the config's step count for this stage")
-    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    add_stage_arguments(parser, STAGES, CONFIGS,
+                        "the previous stage's output folder (dit: the vae stage's; distill: the dit stage's)")
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available; use --device cpu (slow) or a GPU machine")
     overrides = {}
     if args.steps is not None:
         overrides[{"vae": "vae_steps", "dit": "dit_steps", "distill": "distill_steps"}[args.stage]] = args.steps
     cfg = get_config(args.config, **overrides)
-    out = Path(args.out)
-    if (out / "train.json").is_file():
-        prev = json.loads((out / "train.json").read_text())
-        raise ValueError(f"{out} already holds a trained {prev.get('stage')!r} stage; choose another --out")
-    if args.stage != "vae" and args.source is None:
-        raise ValueError(f"--stage {args.stage} needs --from, the previous stage's output folder")
-    out.mkdir(parents=True, exist_ok=True)
-    source = Path(args.source) if args.source else None
-    init = Path(args.init) if args.init else None
-    if init is not None and not (init / "train.json").is_file():
-        raise ValueError(f"--init {init} holds no train.json: give the output folder of an earlier run of this stage")
-    if init is not None and json.loads((init / "train.json").read_text()).get("stage") != args.stage:
-        raise ValueError(f"--init {init} is the output of another stage; --init continues the same stage")
-    t0 = time.perf_counter()
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
-
+    st = start_stage(args, first_stage="vae")
+    common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
     if args.stage == "vae":
-        stats = train_vae(cfg, out, device=device, seed=args.seed, budget_s=args.budget, init=init, log=log)
+        stats = train_vae(cfg, st.out, **common)
     elif args.stage == "dit":
-        stats = train_dit(cfg, source, out, device=device, seed=args.seed, budget_s=args.budget, init=init, log=log)
+        stats = train_dit(cfg, st.source, st.out, **common)
     else:
-        stats = distill(cfg, source, out, device=device, seed=args.seed, budget_s=args.budget, init=init, log=log)
-    record = {"stage": args.stage, "config": cfg.to_dict(), "seed": args.seed, "budget_s": args.budget,
-              "source": str(source) if source else None, "init": str(init) if init else None, "device": device_name(device),
-              "wall_seconds": round(time.perf_counter() - t0, 2), "versions": versions(), **stats}
-    atomic_write_json(out / "train.json", record)
-    log(f"{args.stage}: done in {record['wall_seconds']} s -> {out}")
+        stats = distill(cfg, st.source, st.out, **common)
+    finish_stage(st, args, cfg.to_dict(), stats)
     return 0

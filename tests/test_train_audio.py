@@ -1,0 +1,241 @@
+"""`mmkv train audio` on the CPU: a micro configuration trains each stage for a few steps, its losses fall, it writes
+weights only, and its output loads through the released-format loaders and the CLAP embedder and rolls out; the
+pieces (CLAP features, the training quantiser, the teacher-forcing inputs) equal what inference computes."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mmkv.pipelines.aar import clap, sounds, train
+from mmkv.pipelines.aar.sat import EuclideanCodebook
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CFG = train.get_config("micro")
+
+
+def _run(stage: str, out, source=None, steps=None, init=None, seed=0):
+    ns = argparse.Namespace(stage=stage, config="micro", source=str(source) if source else None, out=str(out),
+                            seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None)
+    assert train.run(ns) == 0
+    return json.loads((out / "train.json").read_text())
+
+
+def _falls(curve, ratio):
+    return curve[-1][1] < ratio * curve[0][1]
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_audio")
+    records = {"clap": _run("clap", root / "clap")}
+    records["sat"] = _run("sat", root / "sat", root / "clap")
+    records["aar"] = _run("aar", root / "aar", root / "sat")
+    return root, records
+
+
+@pytest.fixture(scope="module")
+def models(stages):
+    from mmkv.pipelines.aar.loaders import load_models
+
+    aar, sat, _ = load_models(stages[0] / "aar")
+    return aar, sat
+
+
+def _clips(n: int, seed0: int = 10**7) -> torch.Tensor:
+    return train.render_clips([sounds.sample_sound(seed0 + i) for i in range(n)], CFG, torch.device("cpu"),
+                              torch.Generator().manual_seed(0))
+
+
+def test_every_stage_lowers_its_loss_and_writes_weights_only(stages):
+    root, rec = stages
+    for stage in train.STAGES:
+        assert _falls(rec[stage]["loss_curve"], 0.8), (stage, rec[stage]["loss_curve"])
+        assert rec[stage]["steps"] == rec[stage]["planned_steps"] and rec[stage]["ms_per_step"] > 0
+    clap_files = {"config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json",
+                  "tokenizer_config.json"}
+    assert {p.name for p in (root / "aar" / "clap").iterdir()} == clap_files
+    assert {p.name for p in (root / "aar").iterdir()} == {"AAR_micro.pth", "SAT_micro.pth", "clap", "train.json"}
+    assert {p.name for p in (root / "sat").iterdir()} == {"SAT_micro.pth", "clap", "train.json"}
+    for name, key in (("AAR_micro.pth", "model_state_dict"), ("SAT_micro.pth", "generator_state_dict")):
+        ckpt = torch.load(root / "aar" / name, weights_only=True, map_location="cpu")
+        assert set(ckpt) == {key} and all(isinstance(v, torch.Tensor) for v in ckpt[key].values())  # no optimiser
+
+
+def test_train_json_reports_the_held_out_scores(stages):
+    _, rec = stages
+    top1 = rec["clap"]["retrieval"]["text_to_audio_top1"]
+    assert "kind" in top1 and "all_named" in top1
+    assert all(0 <= v["accuracy"] <= 1 and 0 < v["chance"] <= 1 for v in top1.values())
+    held = rec["sat"]["heldout"]
+    assert math.isfinite(held["si_snr_db"]) and held["log_mel_l1"] > 0
+    assert [u["tokens"] for u in held["codebook_usage"]] == list(CFG.sat["multi_scale"])
+    assert all(1 <= u["used"] <= u["of"] == CFG.sat["bins"] for u in held["codebook_usage"])
+    aar = rec["aar"]["heldout"]
+    assert len(aar["ce_cond_per_scale"]) == len(CFG.sat["multi_scale"]) and aar["ce_cond"] > 0
+    assert aar["rollouts"]["clips"] == CFG.eval_rollouts and aar["rollouts"]["finite"]
+
+
+def test_the_output_loads_through_the_loaders_and_the_clap_embedder_and_rolls_out(stages, models):
+    from mmkv.pipelines.aar.sample import rollout
+
+    aar, sat = models
+    assert aar.depth == CFG.aar_depth and sat.codebook_size == CFG.sat["bins"]
+    embedder = clap.ClapEmbedder(stages[0] / "aar" / "clap")
+    wave = _clips(1)[0].numpy()
+    emb = embedder.embed_wave(clap.resample(wave, CFG.sample_rate, clap.CLAP_SAMPLE_RATE))
+    assert emb.shape == (512,) and abs(float(emb.norm()) - 1) < 1e-5
+    out = rollout(aar, sat, emb[None], seed=0, key="clip")
+    assert out.audio.shape == (1, 1, CFG.clip_samples) and torch.isfinite(out.audio).all()
+
+
+def test_training_clap_embeddings_equal_the_clap_embedders(stages):
+    from transformers import ClapModel
+
+    folder = stages[0] / "aar" / "clap"
+    model = ClapModel.from_pretrained(str(folder), local_files_only=True).eval()
+    embedder = clap.ClapEmbedder(folder)
+    wave = _clips(3)
+    with torch.no_grad():
+        ours = train.audio_embeddings(model, train.clap_inputs(wave, CFG, embedder.features, torch.device("cpu")))
+    theirs = torch.stack([embedder.embed_wave(clap.resample(w.numpy(), CFG.sample_rate, clap.CLAP_SAMPLE_RATE))
+                          for w in wave])
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window_s", [1, 10])
+def test_torch_features_equal_the_feature_extractor(window_s):
+    """clap_features against `ClapFeatureExtractor` (numpy) on the same 48 kHz clips, at the micro window and at
+    larger_clap_general's 10 s; the batched resampling against the per-clip `clap.resample` of `prepare_clip`."""
+    extractor = train.feature_extractor(window_s)
+    wave = _clips(2)
+    w48 = train.clap_waves(wave, CFG.sample_rate)
+    per_clip = np.stack([clap.resample(w.numpy(), CFG.sample_rate, clap.CLAP_SAMPLE_RATE) for w in wave])
+    assert np.array_equal(w48.numpy(), per_clip)
+    ref = extractor(list(per_clip), sampling_rate=clap.CLAP_SAMPLE_RATE, return_tensors="pt",
+                    truncation="rand_trunc", padding="repeatpad")["input_features"]
+    ours = train.clap_features(w48, extractor)
+    assert ours.shape == ref.shape == (2, 1, 100 * window_s + 1, 64)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)  # dB; two FFT libraries
+
+
+def test_quantiser_tokens_decode_to_the_inference_latent(models):
+    """Eval-mode quantisation gives tokens whose inference decoding (`get_next_autoregressive_input`, as the
+    rollout adds them up) is the quantiser's own latent, bit for bit; the training pass has the same value."""
+    _, sat = models
+    wave = _clips(3)[:, None]
+    with torch.no_grad():
+        z = sat.encoder(wave)
+        f_hat, tokens, loss = train.quantize(sat, z)
+        quant = sat.quantizer
+        ref = torch.zeros_like(f_hat)
+        for si, idx in enumerate(tokens):
+            ref, _ = quant.get_next_autoregressive_input(si, ref, quant.embedding(idx, si))
+    assert torch.equal(f_hat, ref) and float(loss) == 0
+    assert [t.shape[1] for t in tokens] == list(CFG.sat["multi_scale"])
+    trained = copy.deepcopy(sat)
+    step = train.CodebookTraining(kmeans_iters=2, generator=torch.Generator().manual_seed(0))
+    f_train, tokens_train, loss_train = train.quantize(trained, z, step)
+    assert all(torch.equal(a, b) for a, b in zip(tokens, tokens_train))
+    torch.testing.assert_close(f_train, f_hat, atol=1e-5, rtol=1e-5)
+    assert loss_train > 0
+
+
+def test_teacher_inputs_are_what_the_rollout_feeds():
+    """Greedy rollout (top-k 1, no guidance) of tiny.py's random models, which read their inputs strongly: the
+    teacher-forced logits built from the rollout's own tokens pick the same tokens at every position, so the inputs
+    equal what the cached loop fed at each scale."""
+    from mmkv.pipelines.aar.sample import SamplingConfig, rollout
+    from mmkv.pipelines.aar.tiny import build_tiny, random_condition
+
+    aar, sat = build_tiny("micro", seed=3)
+    cond = random_condition(3, seed=4)
+    out = rollout(aar, sat, cond, seed=0, key="greedy", sampling=SamplingConfig(cfg=0.0, top_k=1, top_p=0.0))
+    inputs = train.teacher_inputs(sat, out.tokens)
+    assert inputs.shape == (3, aar.L - aar.first_l, sat.latent_dim)
+    with torch.no_grad():
+        assert torch.equal(aar(cond, inputs).argmax(-1), out.tokens_flat)
+        # the check can fail: inputs of another clip's tokens give other predictions
+        shifted = train.teacher_inputs(sat, [torch.roll(t, 1, dims=0) for t in out.tokens])
+        assert not torch.equal(aar(cond, shifted).argmax(-1), out.tokens_flat)
+
+
+def test_kmeans_init_finds_the_clusters_of_the_first_batch():
+    centres = torch.tensor([[5.0, 0, 0], [0, 5.0, 0], [0, 0, 5.0], [-5.0, 0, 0]])
+    x = (centres[:, None] + 0.1 * torch.randn(4, 16, 3, generator=torch.Generator().manual_seed(1))).reshape(-1, 3)
+    cb = EuclideanCodebook(3, 4)
+    idx, _ = train.codebook_step(cb, x, train.CodebookTraining(kmeans_iters=10,
+                                                                generator=torch.Generator().manual_seed(0)))
+    assert bool(cb.inited) and sorted(torch.bincount(idx, minlength=4).tolist()) == [16] * 4
+    means = torch.stack([x[i * 16:(i + 1) * 16].mean(0) for i in range(4)])
+    found = cb.embed[idx.view(4, 16)[:, 0]]
+    torch.testing.assert_close(found, means, atol=1e-3, rtol=0)  # and the EMA step on the same batch keeps them
+
+
+def test_a_dead_code_restarts_at_a_vector_of_the_batch():
+    """Upstream's reset writes only `embed` and the EMA step overwrites it; here the code really moves."""
+    gen = torch.Generator().manual_seed(2)
+    cb = EuclideanCodebook(3, 4)
+    step = train.CodebookTraining(kmeans_iters=3, generator=gen)
+    train.codebook_step(cb, torch.randn(32, 3, generator=gen), step)
+    cb.embed[3] = 1e6  # never the nearest
+    cb.cluster_size[3] = 0.5  # below dead_code 2
+    x = torch.randn(32, 3, generator=gen)
+    idx, _ = train.codebook_step(cb, x, step)
+    assert 3 not in idx.tolist()
+    assert torch.isclose(cb.embed[3][None], x, atol=1e-5).all(dim=1).any()
+    assert cb.cluster_size[3] >= 0.99 * step.dead_code
+
+
+def test_contrastive_targets_count_same_caption_clips_as_positives():
+    """Two clips whose captions mean the same: embedding them alike is optimal only when the groups say so."""
+    scales = SimpleNamespace(logit_scale_a=torch.tensor(math.log(50.0)), logit_scale_t=torch.tensor(math.log(50.0)))
+    e = torch.eye(3)
+    alike = torch.stack([e[0], e[0], e[2]])
+    apart = e
+    same, distinct = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 2])
+    assert train.contrastive_loss(scales, alike, alike, same) < train.contrastive_loss(scales, apart, apart, same)
+    assert train.contrastive_loss(scales, apart, apart, distinct) < train.contrastive_loss(scales, alike, alike,
+                                                                                           distinct)
+
+
+def test_caption_tokenizer_starts_every_caption_alike_and_knows_every_word(stages):
+    from transformers import PreTrainedTokenizerFast
+
+    saved = PreTrainedTokenizerFast.from_pretrained(str(stages[0] / "clap" / "clap"))
+    captions = [sounds.caption(sounds.sample_sound(s)) for s in range(64)]
+    for tok in (train.caption_tokenizer(CFG.text_len), saved):
+        ids, mask = train.tokenize(tok, captions, CFG.text_len)
+        assert (ids[:, 0] == 1).all() and not (ids == 2).any()  # `</s>` first, no unknown word
+        assert (mask.sum(1) == torch.tensor([len(c.split()) + 2 for c in captions])).all()
+
+
+def test_stage_order_and_folders_are_checked(stages, tmp_path):
+    root, _ = stages
+    with pytest.raises(ValueError, match="already holds"):
+        _run("clap", root / "clap")
+    with pytest.raises(ValueError, match="needs --from"):
+        _run("sat", tmp_path / "x")
+    with pytest.raises(ValueError, match="not the output of the 'sat' stage"):
+        _run("aar", tmp_path / "y", root / "clap")
+    with pytest.raises(ValueError, match="another stage"):
+        _run("aar", tmp_path / "z", root / "sat", init=root / "sat")
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()  # refused before writing anything
+
+
+@pytest.mark.parametrize("stage", train.STAGES)
+def test_init_continues_a_stage_from_its_weights(stages, tmp_path, stage):
+    root, rec = stages
+    source = {"clap": None, "sat": root / "clap", "aar": root / "sat"}[stage]
+    more = _run(stage, tmp_path / stage, source, steps=3, init=root / stage, seed=1)
+    assert more["init"] == str(root / stage) and more["steps"] == 3
+    if stage != "clap":  # 12 steps of CLAP learn nothing that carries to other clips
+        assert more["loss_curve"][0][1] < rec[stage]["loss_curve"][0][1]
