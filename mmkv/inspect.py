@@ -3,6 +3,9 @@
     mmkv inspect kv --model causvid --ckpt CKPT --base WAN_DIR --prompt "A red fox runs through snow." --out DIR
     mmkv inspect kv --model causvid --random-init --base WAN_DIR --prompt "A red fox" --out DIR  # random baseline
     mmkv inspect kv --model causvid --random-init --prompt "A red fox" --out DIR   # offline: the tests' tiny DiT
+    mmkv inspect kv --aar AAR_DIR --clap CLAP_DIR --clip dog.wav --out DIR        # audio, as `mmkv compare audio`
+    mmkv inspect kv --aar AAR_DIR --embeddings EMB.safetensors --clip-index 3 --out DIR
+    mmkv inspect kv --model aar --random-init --out DIR      # offline: the tiny random AAR, a seeded random condition
 
 Which codec wins depends on the statistics of the cache it compresses; these are the ones the codec papers argue
 from, measured over the committed K / V (the clean pass of every block, what later blocks read) of one rollout with
@@ -24,7 +27,8 @@ when one is attached; the causal Wan processor and AAR's self-attention both do.
 run one rollout of each family with it attached. The observer holds the committed K (pre- and post-RoPE) and V,
 about 1.5x the native cache (9 GB beside its 6 GB for a 1.3B rollout of 81 frames in bf16). kv_stats.json is
 {"model", "rollout", "statistics", "layers": [{"layer", "tokens", "residual_stream", "heads": [...]}], "summary"};
-same inputs give byte-identical JSON (floats kept to 6 significant digits).
+same inputs give byte-identical JSON (floats kept to 6 significant digits). An AAR rollout's unit is one scale: its
+head entries and summary also hold "scales", per scale the tokens, key and value RMS, and the mass on the first scale.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ KMEANS_ITERS = 10
 KMEANS_SEED = 0
 TOP_CHANNELS = 3
 DIGITS = 6  # significant digits in the JSON: stable across summation orders that differ in the last bits
+AUDIO_MODEL = "aar"  # --model of the audio family, for --random-init with no other audio flag
+TINY_AAR = "tiny"  # the --random-init audio models: mmkv.pipelines.aar.tiny's full 16-scale schedule
+AUDIO_SEED = 42  # `mmkv compare audio`'s default sampling seed
+AUDIO_FLAGS = ("--aar", "--sat", "--clap", "--embeddings", "--clip", "--clips", "--clip-index")
+VIDEO_ONLY = ("--prompt", "--prompts", "--frames", "--height", "--width", "--ckpt-key")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -286,10 +295,46 @@ def inspect_video(pipe, context: torch.Tensor, noise, grid, **stats: Any):
     return summarize(obs, **stats), result
 
 
+def unit_stats(obs: KVObserver) -> list[list[list[dict[str, Any]]]]:
+    """Per layer, head and committed unit (AAR: scale): its tokens, its keys' and values' RMS over tokens and channels,
+    and the softmax mass its queries put on the first unit's keys beside the uniform share (None for the first unit)."""
+    out = []
+    for layer in range(obs.num_layers):
+        units = obs.k_post[layer]
+        if not units:
+            raise ValueError(f"layer {layer}: nothing was committed; was the observer attached during the rollout?")
+        rms = [k.float().pow(2).mean((0, 2, 3)).sqrt() for k in units]  # [H] per unit, batch rows pooled
+        v_rms = [v.float().pow(2).mean((0, 2, 3)).sqrt() for v in obs.v[layer]]
+        mass = [None] + [m.mean(0) for m in obs.mass[layer]]  # [H] per later unit, averaged over the batch
+        uniform = [None, *obs.uniform[layer]]
+        out.append([[{"unit": i, "tokens": units[i].shape[2], "key_rms": rms[i][h].item(),
+                      "value_rms": v_rms[i][h].item(),
+                      "first_unit_attention": None if mass[i] is None else mass[i][h].item(),
+                      "uniform_share": uniform[i]} for i in range(len(units))] for h in range(units[0].shape[1])])
+    return out
+
+
+def _scale_summary(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scale, over every layer and head: mean and max key and value RMS, mean first-scale attention mass."""
+    cells = [hd["scales"] for lay in layers for hd in lay["heads"]]
+    out = []
+    for i, first in enumerate(cells[0]):
+        rms = [c[i]["key_rms"] for c in cells]
+        v_rms = [c[i]["value_rms"] for c in cells]
+        mass = [c[i]["first_scale_attention"] for c in cells if c[i]["first_scale_attention"] is not None]
+        out.append({"scale": i, "tokens": first["tokens"], "key_rms_mean": sum(rms) / len(rms), "key_rms_max": max(rms),
+                    "value_rms_mean": sum(v_rms) / len(v_rms), "value_rms_max": max(v_rms),
+                    "first_scale_attention_mean": sum(mass) / len(mass) if mass else None,
+                    "uniform_share": first["uniform_share"]})
+    return out
+
+
 @torch.no_grad()
-def inspect_aar(aar, sat, cond: torch.Tensor, *, seed: int, key: str, **stats: Any) -> dict[str, Any]:
-    """One AAR rollout (`mmkv.pipelines.aar.sample.rollout`, native store; one unit = one scale, the first block =
-    the first scale) observed; `summarize`'s dict. AAR has no RoPE, so its pre- and post-RoPE keys are the same."""
+def inspect_aar(aar, sat, cond: torch.Tensor, *, seed: int, key: str, k: int = KMEANS_K, iters: int = KMEANS_ITERS,
+                kmeans_seed: int = KMEANS_SEED):
+    """One AAR rollout (`mmkv.pipelines.aar.sample.rollout`, native store, default sampling; one unit = one scale, the
+    first block = the first scale) observed: (`summarize`'s dict with a "scales" list in every head entry and in the
+    summary, the `Rollout`). AAR has no RoPE, so its pre- and post-RoPE keys are the same."""
     from mmkv.cache import CacheConfig, KVStore
     from mmkv.pipelines.aar.sample import rollout
 
@@ -298,16 +343,26 @@ def inspect_aar(aar, sat, cond: torch.Tensor, *, seed: int, key: str, **stats: A
                     head_dim=cfg.head_dim)
     obs = KVObserver(cfg.depth, scale=aar.blocks[0].attn.scale)  # q already carries cos-attention's per-head gain
     with obs.attach(aar, blocks=aar.blocks):
-        rollout(aar, sat, cond, seed=seed, key=key, store=store)
-    return summarize(obs, **stats)
+        result = rollout(aar, sat, cond, seed=seed, key=key, store=store)
+    summary = summarize(obs, k=k, iters=iters, seed=kmeans_seed)
+    for lay, heads in zip(summary["layers"], _num(unit_stats(obs))):
+        for hd, units in zip(lay["heads"], heads):
+            hd["scales"] = [{"scale": u["unit"], "tokens": u["tokens"], "key_rms": u["key_rms"],
+                             "value_rms": u["value_rms"], "first_scale_attention": u["first_unit_attention"],
+                             "uniform_share": u["uniform_share"]}
+                            for u in units]
+    summary["summary"]["scales"] = _num(_scale_summary(summary["layers"]))
+    return summary, result
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Plot
 
 
-def plot(stats: dict[str, Any], path: Path, title: str = "") -> Path:
-    """A grid of panels, one a statistic: x = layer, one line per head (residual stream: one line)."""
+def plot(stats: dict[str, Any], path: Path, title: str = "", unit: str = "block") -> Path:
+    """A grid of panels, one a statistic: x = layer, one line per head (residual stream: one line); where the heads
+    carry "scales" (AAR), a third row with x = scale, one line per layer and head: key and value RMS, first-scale
+    mass."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -317,9 +372,10 @@ def plot(stats: dict[str, Any], path: Path, title: str = "") -> Path:
     layers = stats["layers"]
     xs = [lay["layer"] for lay in layers]
     num_heads = len(layers[0]["heads"]) if layers else 0
-    fig = Figure(figsize=(16, 7))
+    scales = bool(num_heads) and "scales" in layers[0]["heads"][0]
+    fig = Figure(figsize=(16, 10.5 if scales else 7))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 4).flatten()
+    axes = fig.subplots(3 if scales else 2, 4).flatten()
     for ax, ((group, key), label) in zip(axes, HEAD_STATS):
         for h in range(num_heads):
             ys = [lay["heads"][h][group][key] for lay in layers]
@@ -328,24 +384,51 @@ def plot(stats: dict[str, Any], path: Path, title: str = "") -> Path:
             share = [lay["heads"][0][group]["uniform_share"] if num_heads else None for lay in layers]
             (line,) = ax.plot(xs, [math.nan if s is None else s for s in share], "k--", lw=1)
             ax.legend([line], ["uniform share"], fontsize=7)
-        ax.set_title(label, fontsize=9)
+        ax.set_title(label.replace("first block", f"first {unit}"), fontsize=9)
     ax = axes[len(HEAD_STATS)]
     ys = [lay["residual_stream"]["max_over_median"] if lay["residual_stream"] else None for lay in layers]
     ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", color="k", lw=1.2, ms=3)
     ax.set_title("residual stream max|x| / median|x| (commit)", fontsize=9)
+    for ax in axes[:8]:
+        ax.set_xlabel("layer", fontsize=8)
+    if scales:
+        _plot_scales(axes[8:], layers)
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("layer", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     if num_heads:
         axes[0].legend(fontsize=7, ncol=2 if num_heads > 6 else 1)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.07, top=0.91, wspace=0.22, hspace=0.32)
+    fig.subplots_adjust(left=0.04, right=0.99, bottom=0.05 if scales else 0.07, top=0.93 if scales else 0.91,
+                        wspace=0.22, hspace=0.32)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     return path
+
+
+def _plot_scales(axes, layers: list[dict[str, Any]]) -> None:
+    """The per-scale row: key RMS, value RMS and first-scale attention mass against the scale, one line per
+    (layer, head)."""
+    for ax, key, label in ((axes[0], "key_rms", "key RMS per scale (cached, post-normalisation)"),
+                           (axes[1], "value_rms", "value RMS per scale"),
+                           (axes[2], "first_scale_attention", "attention mass on the first scale, per scale")):
+        for lay in layers:
+            for hd in lay["heads"]:
+                xs = [u["scale"] for u in hd["scales"]]
+                ys = [math.nan if u[key] is None else u[key] for u in hd["scales"]]
+                ax.plot(xs, ys, marker="o", lw=1, ms=2, label=f"L{lay['layer']} h{hd['head']}")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("scale", fontsize=8)
+    units = layers[0]["heads"][0]["scales"]
+    (line,) = axes[2].plot([u["scale"] for u in units],
+                           [math.nan if u["uniform_share"] is None else u["uniform_share"] for u in units], "k--", lw=1)
+    axes[2].legend([line], ["uniform share"], fontsize=7)
+    if sum(len(lay["heads"]) for lay in layers) <= 16:
+        axes[0].legend(fontsize=6, ncol=2)
+    for ax in axes[3:]:
+        ax.set_visible(False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -355,8 +438,10 @@ def plot(stats: dict[str, Any], path: Path, title: str = "") -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from mmkv.pipelines.wan.loop import PRESETS
 
-    g = parser.add_argument_group("model (as `mmkv generate video`)")
-    g.add_argument("--model", required=True, metavar="PRESET", help=f"inference preset: {', '.join(PRESETS)}")
+    g = parser.add_argument_group("video model (as `mmkv generate video`)")
+    g.add_argument("--model", metavar="PRESET",
+                   help=f"video inference preset: {', '.join(PRESETS)}; the audio flags need none ({AUDIO_MODEL!r}: "
+                        "the audio family, for --random-init without other audio flags)")
     g.add_argument("--ckpt", metavar="PATH",
                    help="CausVid / Causal Forcing checkpoint file, or a directory holding one (model.pt)")
     g.add_argument("--ckpt-key", default=None, metavar="KEY",
@@ -366,14 +451,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--random-init", action="store_true",
                    help="random DiT weights (fan-in scaled, seed --init-seed) instead of --ckpt: with --base, of the "
                         "base's DiT config, text encoder and VAE (a random baseline of a trained checkpoint's "
-                        "architecture); without, the tests' tiny model, built in memory (offline, no files)")
-    g.add_argument("--init-seed", type=int, default=0, help="seed of --random-init weights (default 0)")
+                        "architecture); without, the tests' tiny model, built in memory (offline, no files); audio: "
+                        f"the tiny random AAR + SAT ({TINY_AAR!r} of mmkv.pipelines.aar.tiny: 16 scales, 2 layers), "
+                        "conditioned on --clap / --embeddings if given, else on a seeded random embedding")
+    g.add_argument("--init-seed", type=int, default=0,
+                   help="seed of --random-init weights and of the random audio condition (default 0)")
+    g = parser.add_argument_group("audio model and conditioning (as `mmkv compare audio`)")
+    g.add_argument("--aar", metavar="DIR",
+                   help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint each)")
+    g.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
+    g.add_argument("--clap", metavar="DIR",
+                   help="local laion/larger_clap_general directory (transformers); with --clap-backend laion, a "
+                        "laion-clap .pt checkpoint")
+    g.add_argument("--clap-backend", choices=("transformers", "laion"), default="transformers",
+                   help="CLAP implementation (default transformers, what AAR was trained with)")
+    g.add_argument("--embeddings", metavar="PATH",
+                   help="precomputed 512-d CLAP embeddings instead of --clap: a folder of <clip stem>.npy/.safetensors "
+                        "or one .safetensors/.npz file keyed by clip stem")
+    g.add_argument("--clip", metavar="FILE", help="the audio clip that conditions the rollout")
+    g.add_argument("--clips", nargs="+", metavar="DIR|FILE",
+                   help="audio clips or folders searched recursively, in `mmkv compare audio`'s order; --clip-index "
+                        "picks one (without --clips, --clip-index picks an entry of --embeddings)")
+    g.add_argument("--clip-index", type=int, default=None, metavar="N", help="which of --clips (default 0)")
     g = parser.add_argument_group("rollout")
     g.add_argument("--prompt", metavar="TEXT", help="the prompt")
     g.add_argument("--prompts", metavar="FILE", help="prompt file (one a line); --index picks the line")
     g.add_argument("--index", type=int, default=0,
                    help="prompt index: the line of --prompts and the noise stream (seed, index) (default 0)")
-    g.add_argument("--seed", type=int, default=0, help="noise seed, as `mmkv generate video` (default 0)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="noise seed, as `mmkv generate video` (default 0); audio: the sampling seed, as `mmkv compare "
+                        f"audio` (default {AUDIO_SEED}: the same rollout as its reference for the same clip)")
     g.add_argument("--frames", type=int, default=None,
                    help="pixel frames, 1 + 4k (default 81; --random-init without --base: 33)")
     g.add_argument("--height", type=int, default=None, help="default 480 (--random-init without --base: 32)")
@@ -385,6 +492,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"k-means Lloyd iterations (default {KMEANS_ITERS})")
     g.add_argument("--kmeans-seed", type=int, default=KMEANS_SEED, help="seed of the k-means init (default 0)")
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for kv_stats.json and kv_stats.png")
+
+
+def _family(args: argparse.Namespace) -> str:
+    """"video" or "audio", from the flags given; mixing the two is an error."""
+    video = [flag for flag in ("--ckpt", "--base") if getattr(args, flag[2:]) is not None]
+    audio = [flag for flag in AUDIO_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if video and audio:
+        raise UsageError(f"give the video flags (--ckpt / --base) or the audio flags ({', '.join(AUDIO_FLAGS)}), not "
+                         f"both (got {', '.join(video + audio)})")
+    if audio or args.model == AUDIO_MODEL:
+        if args.model not in (None, AUDIO_MODEL):
+            raise UsageError(f"--model {args.model} is a video preset; the audio flags ({', '.join(audio)}) take no "
+                             f"--model")
+        wrong = [flag for flag in VIDEO_ONLY if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)}: video flag(s); an AAR rollout is conditioned on --clip / "
+                             f"--embeddings (or, with --random-init, a random embedding)")
+        return "audio"
+    if args.model is None:
+        raise UsageError(f"give --model PRESET for video (with --ckpt and --base, or --random-init), or the audio "
+                         f"flags (--aar DIR ..., or --model {AUDIO_MODEL} --random-init)")
+    return "video"
+
+
+def _check_kmeans(args: argparse.Namespace) -> None:
+    for name in ("kmeans_k", "kmeans_iters"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
 def _validate(args: argparse.Namespace) -> tuple[str, torch.device]:
@@ -409,9 +544,7 @@ def _validate(args: argparse.Namespace) -> tuple[str, torch.device]:
         raise UsageError("give exactly one of --prompt TEXT or --prompts FILE")
     if args.index < 0:
         raise UsageError(f"--index must be >= 0, got {args.index}")
-    for name in ("kmeans_k", "kmeans_iters"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _check_kmeans(args)
     if args.prompts is not None:
         prompts = read_prompts(args.prompts)
         if args.index >= len(prompts):
@@ -459,7 +592,10 @@ def _components(args: argparse.Namespace, device: torch.device):
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmkv.io import atomic_write_json
+    return _run_audio(args) if _family(args) == "audio" else _run_video(args)
+
+
+def _run_video(args: argparse.Namespace) -> int:
     from mmkv.pipelines.common import NoiseStream
     from mmkv.pipelines.wan.loop import get_preset
     from mmkv.pipelines.wan.pipeline import WanVideoPipeline
@@ -485,7 +621,8 @@ def run(args: argparse.Namespace) -> int:
     pipe = WanVideoPipeline(components, preset)
     grid = pipe.grid(frames, height, width)
     context = pipe.encode_text([prompt])
-    noise = NoiseStream(args.seed, args.index)
+    seed = 0 if args.seed is None else args.seed
+    noise = NoiseStream(seed, args.index)
     stats, _ = inspect_video(pipe, context, noise, grid, k=args.kmeans_k, iters=args.kmeans_iters,
                              seed=args.kmeans_seed)
     dit = components.dit
@@ -493,23 +630,138 @@ def run(args: argparse.Namespace) -> int:
              "init_seed": args.init_seed if args.random_init else None, "checkpoint": components.files.get("dit"),
              "base": None if args.base is None else str(Path(args.base).resolve()), "num_layers": dit.num_layers,
              "num_heads": dit.num_heads, "head_dim": dit.head_dim, "dtype": str(components.dtype)}
-    rollout = {"prompt": prompt, "index": args.index, "seed": args.seed, "noise_sha256": noise.sha256,
+    rollout = {"prompt": prompt, "index": args.index, "seed": seed, "noise_sha256": noise.sha256,
                "grid": grid.to_dict(), "frames_per_block": preset.frames_per_block,
                "blocks": grid.latent_frames // preset.frames_per_block, "device": str(device),
                "cache": "native (uncompressed), global attention; statistics over the commit passes"}
     config = {"kmeans": {"k": args.kmeans_k, "iters": args.kmeans_iters, "seed": args.kmeans_seed,
                          "init": "uniform with replacement, bf16 centres (mmkv.codecs.qvg.kmeans)"},
               "first_block": f"the first {preset.frames_per_block} latent frame(s)"}
-    record = {"model": model, "rollout": rollout, "statistics": config, "layers": stats["layers"],
-              "summary": stats["summary"]}
+    title = f"{args.model} ({model['weights']}), {grid.latent_frames} latent frames x {grid.tokens_per_frame} tokens"
+    return _write(out, {"model": model, "rollout": rollout, "statistics": config, **stats}, title, "block")
+
+
+def _write(out: Path, record: dict[str, Any], title: str, unit: str) -> int:
+    """kv_stats.json and kv_stats.png in `out`, and the summary's headline numbers on stdout."""
+    from mmkv.io import atomic_write_json
+
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "kv_stats.json", record)
-    title = f"{args.model} ({model['weights']}), {grid.latent_frames} latent frames x {grid.tokens_per_frame} tokens"
-    plot(record, out / "kv_stats.png", title=title)
-    s = stats["summary"]
+    plot(record, out / "kv_stats.png", title=title, unit=unit)
+    s = record["summary"]
     print(f"wrote {out / 'kv_stats.json'} and {out / 'kv_stats.png'}")
     for name in ("key.rms_max_over_median", "value.norm_max_over_median", "first_block_attention.mass",
                  "key.kmeans_residual", "value.kmeans_residual"):
         if s.get(name):
             print(f"  {name:<34} mean {s[name]['mean']:.4g}  max {s[name]['max']:.4g} at {s[name]['max_at']}")
+    for row in s.get("scales", []):
+        mass = row["first_scale_attention_mean"]
+        print(f"  scale {row['scale']:>2} ({row['tokens']:>3} tokens): key RMS mean {row['key_rms_mean']:.4g}  "
+              f"value RMS mean {row['value_rms_mean']:.4g}  "
+              f"first-scale mass {'-' if mass is None else format(mass, '.4g')}")
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The audio side: AAR + SAT loaded, and conditioned, as `mmkv compare audio` does
+
+
+def _validate_audio(args: argparse.Namespace) -> None:
+    if args.random_init and args.aar:
+        raise UsageError("give --aar or --random-init, not both")
+    if not args.random_init and not args.aar:
+        raise UsageError("--aar DIR is required for audio (or --random-init for the tiny random AAR)")
+    if args.sat and not args.aar:
+        raise UsageError("--sat FILE goes with --aar DIR (the AAR it decodes for)")
+    if args.clap and args.embeddings:
+        raise UsageError("give --clap DIR or --embeddings PATH, not both")
+    conditioned = args.clap or args.embeddings
+    if not args.random_init and not conditioned:
+        raise UsageError("give --clap DIR (a local laion/larger_clap_general) or --embeddings PATH")
+    if args.clip and args.clips:
+        raise UsageError("give --clip FILE, or --clips DIR|FILE... with --clip-index N, not both")
+    if args.clip and args.clip_index is not None:
+        raise UsageError("--clip-index picks one of --clips (or of --embeddings' entries); with --clip leave it out")
+    if args.clip_index is not None and args.clip_index < 0:
+        raise UsageError(f"--clip-index must be >= 0, got {args.clip_index}")
+    if not conditioned and (args.clip or args.clips or args.clip_index is not None):
+        raise UsageError("--clip / --clips / --clip-index need --clap DIR or --embeddings PATH to condition on "
+                         "(--random-init alone uses a seeded random embedding)")
+    if args.clap and not (args.clip or args.clips):
+        raise UsageError("--clap embeds a clip: give --clip FILE (or --clips DIR|FILE... --clip-index N)")
+    _check_kmeans(args)
+
+
+def _audio_condition(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    """(CLAP embedding [1, 512], what the rollout record says of it), through `mmkv compare audio`'s Conditioner."""
+    import tempfile
+
+    from mmkv.pipelines.aar.clap import embedding_sha256
+
+    if not (args.clap or args.embeddings):
+        from mmkv.pipelines.aar.tiny import random_condition
+
+        cond = random_condition(1, seed=args.init_seed)
+        return cond, {"item": f"random-condition-{args.init_seed}", "clip": None, "clip_index": None,
+                      "conditioner": {"backend": "random (mmkv.pipelines.aar.tiny.random_condition)",
+                                      "seed": args.init_seed}, "condition": {},
+                      "condition_sha256": embedding_sha256(cond[0])}
+    from mmkv.pipelines.audio_cli import Conditioner, _items, clip_warnings
+
+    conditioner = Conditioner(args, device)
+    names, paths = _items(argparse.Namespace(clips=[args.clip] if args.clip else args.clips, limit=None), conditioner)
+    index = args.clip_index or 0
+    if index >= len(names):
+        where = "--clips" if args.clips else f"--embeddings {args.embeddings}"
+        raise UsageError(f"--clip-index {index} is past the end of {where} ({len(names)} entries)")
+    with tempfile.TemporaryDirectory() as cache:  # compare audio caches embeddings in its run folder; we keep none
+        emb, info = conditioner.get(names[index], paths[index], Path(cache))
+    for warning in clip_warnings(paths[index], info):
+        print(f"warning: {warning}", flush=True)
+    return emb[None], {"item": names[index], "clip": None if paths[index] is None else str(paths[index]),
+                       "clip_index": index, "conditioner": conditioner.identity, "condition": info,
+                       "condition_sha256": embedding_sha256(emb)}
+
+
+def _run_audio(args: argparse.Namespace) -> int:
+    from mmkv.pipelines.aar.sample import SamplingConfig
+    from mmkv.pipelines.common import check_out_dir, parse_device, sha256_file
+
+    _validate_audio(args)
+    device = parse_device(args.device)
+    out = check_out_dir(args.out)  # a path under a file or a read-only folder fails before any model is loaded
+    if args.random_init:
+        from mmkv.pipelines.aar.tiny import build_tiny
+
+        aar, sat = build_tiny(TINY_AAR, seed=args.init_seed, device=device)
+        model: dict[str, Any] = {"family": "audio", "weights": "random-init", "tiny": TINY_AAR,
+                                 "init_seed": args.init_seed}
+    else:
+        from mmkv.pipelines.aar.loaders import load_models
+
+        aar, sat, info = load_models(args.aar, sat=args.sat, device=device)
+        model = {"family": "audio", "weights": "checkpoint", "aar_checkpoint": info["aar_path"],
+                 "sat_checkpoint": info["sat_path"], "aar_sha256": sha256_file(info["aar_path"]),
+                 "sat_sha256": sha256_file(info["sat_path"])}
+    cond, condition = _audio_condition(args, device)
+    seed = AUDIO_SEED if args.seed is None else args.seed
+    stats, result = inspect_aar(aar, sat, cond, seed=seed, key=condition["item"], k=args.kmeans_k,
+                                iters=args.kmeans_iters, kmeans_seed=args.kmeans_seed)
+    patch_nums = list(aar.patch_nums)
+    model.update({"num_layers": aar.config.depth, "num_heads": aar.config.num_heads, "head_dim": aar.config.head_dim,
+                  "patch_nums": patch_nums, "dtype": str(next(aar.parameters()).dtype),
+                  "aar_config": aar.config.to_dict()})
+    rollout = {**condition, "seed": seed, "sampling": SamplingConfig().to_dict(), "noise_sha256": result.noise_sha256,
+               "tokens_sha256": result.tokens_sha256, "scales": len(patch_nums), "tokens": sum(patch_nums),
+               "device": str(device), "cache": "native (uncompressed); statistics over the commit pass of each scale "
+               "(conditional and CFG-null rows pooled)"}
+    config = {"kmeans": {"k": args.kmeans_k, "iters": args.kmeans_iters, "seed": args.kmeans_seed,
+                         "init": "uniform with replacement, bf16 centres (mmkv.codecs.qvg.kmeans)"},
+              "first_block": f"the first scale ({patch_nums[0]} token(s)); the first_block_attention entries and "
+                             "each scale's first_scale_attention are the mass on its keys",
+              "key_rms": "per scale and head: sqrt(mean k^2) over the scale's tokens and the head's channels "
+                         "(value_rms: the same of v); AAR's cosine attention caches unit-norm keys, so key_rms is "
+                         "1/sqrt(head_dim)"}
+    title = (f"AAR ({model['weights']}), {len(patch_nums)} scales, {sum(patch_nums)} tokens, "
+             f"condition {condition['item']}")
+    return _write(out, {"model": model, "rollout": rollout, "statistics": config, **stats}, title, "scale")

@@ -148,7 +148,8 @@ def test_observer_on_aar_leaves_tokens_identical_and_covers_every_scale():
     aar, sat = build_tiny("micro", seed=0)
     cond = random_condition(1, seed=0)
     plain = aar_rollout(aar, sat, cond, seed=3, key="c", store=native_store(2, 2, 64))
-    stats = inspect_aar(aar, sat, cond, seed=3, key="c")
+    stats, result = inspect_aar(aar, sat, cond, seed=3, key="c")
+    assert result.tokens_sha256 == plain.tokens_sha256
     again = aar_rollout(aar, sat, cond, seed=3, key="c", store=native_store(2, 2, 64))
     assert plain.tokens_sha256 == again.tokens_sha256
     obs = KVObserver(2, scale=1.0)
@@ -160,8 +161,9 @@ def test_observer_on_aar_leaves_tokens_identical_and_covers_every_scale():
         assert lay["tokens"] == 2 * sum(aar.patch_nums)  # CFG: conditional and null rows pooled per head
         assert len(lay["heads"]) == 2
         for h in lay["heads"]:
-            assert set(h) == HEAD_KEYS
+            assert set(h) == HEAD_KEYS | {"scales"}
             assert h["key_pre_rope"] == {**h["key"]}  # no RoPE in AAR
+            assert [u["tokens"] for u in h["scales"]] == list(aar.patch_nums)
             # first scale = 1 token; later scales see 1 + 2, 1 + 2 + 3, 1 + 2 + 3 + 5 tokens
             assert math.isclose(h["first_block_attention"]["uniform_share"], (1 / 3 + 1 / 6 + 1 / 11) / 3,
                                 rel_tol=1e-5)
@@ -214,3 +216,66 @@ def test_checkpoint_runs_need_ckpt_and_base(tmp_path, capsys):
     assert main(["inspect", "kv", "--model", "causvid", "--ckpt", str(tmp_path / "none.pt"), "--base",
                  str(tmp_path), "--prompt", "p", "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def audio_cli(out, *extra):
+    return main(["inspect", "kv", "--model", "aar", "--random-init", "--out", str(out), *extra])
+
+
+def test_audio_cli_on_the_tiny_random_aar_writes_every_layer_head_and_scale_byte_identically(tmp_path, capsys):
+    from mmkv.pipelines.aar.tiny import CONFIGS
+
+    assert audio_cli(tmp_path / "a") == 0
+    assert audio_cli(tmp_path / "b") == 0
+    for name in ("kv_stats.json", "kv_stats.png"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / "kv_stats.png").read_bytes().startswith(b"\x89PNG")
+    rec = json.loads((tmp_path / "a" / "kv_stats.json").read_bytes())
+    cfg = CONFIGS["tiny"][0]
+    patch_nums = list(cfg.patch_nums)
+    assert rec["model"]["weights"] == "random-init" and rec["model"]["patch_nums"] == patch_nums
+    assert rec["rollout"]["seed"] == 42 and rec["rollout"]["scales"] == len(patch_nums) == 16
+    assert [lay["layer"] for lay in rec["layers"]] == list(range(cfg.depth))
+    seen = [sum(patch_nums[:i + 1]) for i in range(len(patch_nums))]
+    for lay in rec["layers"]:
+        assert [h["head"] for h in lay["heads"]] == list(range(cfg.num_heads))
+        for h in lay["heads"]:
+            assert [u["scale"] for u in h["scales"]] == list(range(16))
+            assert [u["tokens"] for u in h["scales"]] == patch_nums
+            assert h["scales"][0]["first_scale_attention"] is None and h["scales"][0]["uniform_share"] is None
+            for u, n in zip(h["scales"][1:], seen[1:]):
+                assert 0 < u["first_scale_attention"] < 1
+                assert math.isclose(u["uniform_share"], patch_nums[0] / n, rel_tol=1e-5)
+                # cosine attention caches unit-norm keys: RMS over channels is 1/sqrt(head_dim) at every scale
+                assert math.isclose(u["key_rms"], cfg.head_dim ** -0.5, rel_tol=1e-4) and u["value_rms"] > 0
+    assert [row["scale"] for row in rec["summary"]["scales"]] == list(range(16))
+    assert "scale 15" in capsys.readouterr().out
+
+
+def test_audio_cli_conditions_on_an_embeddings_entry_as_compare_audio(tmp_path):
+    import numpy as np
+
+    from mmkv.pipelines.aar.clap import embedding_sha256
+    from mmkv.pipelines.aar.tiny import random_condition
+
+    emb = random_condition(2, seed=5)
+    np.savez(tmp_path / "emb.npz", first=emb[0].numpy(), second=emb[1].numpy())
+    assert audio_cli(tmp_path / "o", "--embeddings", str(tmp_path / "emb.npz"), "--clip-index", "1") == 0
+    rollout = json.loads((tmp_path / "o" / "kv_stats.json").read_bytes())["rollout"]
+    assert rollout["item"] == "second" and rollout["condition_sha256"] == embedding_sha256(emb[1])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--ckpt", "x.pt", "--aar", "d"), "give the video flags (--ckpt / --base) or the audio flags"),
+    (("--base", "d", "--clip", "a.wav"), "not both (got --base, --clip)"),
+    (("--model", "causvid", "--aar", "d"), "--model causvid is a video preset"),
+    (("--random-init",), "give --model PRESET for video"),
+    (("--model", "aar", "--random-init", "--prompt", "p"), "--prompt: video flag"),
+    (("--model", "aar", "--random-init", "--clip", "a.wav"), "need --clap DIR or --embeddings PATH"),
+    (("--aar", "d"), "give --clap DIR"),
+])
+def test_mixed_or_incomplete_audio_flags_give_one_line_errors(tmp_path, capsys, extra, message):
+    assert main(["inspect", "kv", "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and err.startswith("mmkv inspect kv: error:")
+    assert not (tmp_path / "o").exists()
