@@ -1,6 +1,14 @@
-"""`mmkv demo`: the whole harness offline on tiny random models, on a CPU, in a few minutes.
+"""`mmkv demo`: the whole harness offline on tiny models, on a CPU, in a few minutes.
 
-    mmkv demo [--out runs/demo] [--seed 0] [--quick]
+    mmkv demo [--random] [--out DIR] [--seed 0] [--quick]
+
+By default the video runs use the trained tiny video model shipped in the package (`mmkv/assets/video/`, checked
+against its SHA-256 sums by `mmkv.assets.trained_video_assets`; docs/training.md) at its own size, 64 x 96 px and 81
+frames, prompted with captions of held-out procedural scenes (`scenes.held_out_seeds`), so the report also scores
+prompt adherence and scene consistency. Without shipped weights, or with `--random`, it runs the tiny random models
+below. The audio models are random either way. A trained rollout costs ~15 random ones, so the trained plan runs
+every codec (QVG too) on one CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two cores.
+Trained and random demos go to separate default folders (runs/demo, runs/demo-random); one folder never mixes them.
 
 1. Writes tiny randomly initialised checkpoints of the real architectures, in their original release formats, to
    OUT/assets/: a base Wan2.1 directory (original layout: Wan2.1_VAE.pth, the umT5 encoder .pth, a tokenizer,
@@ -17,6 +25,8 @@
 
 Every step goes through `mmkv.cli.main`, exactly as typed on the command line (each command's output is kept in
 OUT/logs/). A rerun resumes: assets are written once, finished rollouts are skipped, cached metrics are reused.
+In trained mode, step 1 writes only the audio assets and the prompt file; the video runs read the shipped weights in
+place.
 """
 
 from __future__ import annotations
@@ -33,20 +43,31 @@ import numpy as np
 
 from mmkv.cli import UsageError
 
-DEFAULT_OUT = "runs/demo"
-DEMO_VERSION = 2  # bump when the assets or the plan change, so old OUT folders are not mixed with new ones
+DEFAULT_OUT = "runs/demo"  # trained video model
+DEFAULT_OUT_RANDOM = "runs/demo-random"
+DEMO_VERSION = 3  # bump when the assets or the plan change, so old OUT folders are not mixed with new ones
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "prompts" / "prompts.txt"
 
 # identity (bit-exact with the reference: the metrics' ideal values) and four codecs at two bit widths.
 CODECS = ("identity", "octopus:b=2", "octopus:b=4", "oscar:bits=2", "oscar:bits=4", "turboquant-mse:b=2",
           "turboquant-mse:b=4", "kivi:bits=2,group=32", "kivi:bits=4,group=32")
 QUICK_CODECS = ("identity", "octopus:b=2", "turboquant-mse:b=4", "kivi:bits=2,group=32")
+# The trained model adds QVG (a span codec made for video caches, mmkv/codecs/qvg.py) with 16 centres a span where
+# the release has 256: its spans are 2-3 latent frames of 96 tokens here, not 4680-token chunks, and 256 bf16 centres
+# over 288 tokens store more than the bf16 cache (KV x 0.9 at INT2, measured). 16 / 288 keeps the release's centres
+# per token (256 / 4680), so its bits per value too (3.1 at INT2 on a 288-token span; KV x 3.6 measured).
+QVG = ("qvg:bits=2,centroids=16", "qvg:bits=4,centroids=16")
+TRAINED_CODECS = (*CODECS, *QVG)
+TRAINED_QUICK_CODECS = ("identity", "octopus:b=2", QVG[0])
+# The trained model's clips (docs/training.md): 21 latent frames of 16 x 24, 96 tokens a frame.
+TRAINED_VIDEO = {"frames": 81, "height": 64, "width": 96}
 
 
 @dataclass(frozen=True)
 class VideoModel:
     preset: str  # `mmkv generate video --model`
-    checkpoint: str  # key of `write_tiny_assets`' result
+    checkpoint: str  # key of the assets: "causvid" (model.pt) or "causal_forcing" (framewise.pt)
+    codecs: tuple[str, ...] | None = None  # None: the plan's codecs
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,10 @@ class Plan:
     prompts: int
     audio_model: str  # `mmkv.pipelines.aar.tiny` configuration
     clips: int
-    codecs: tuple[str, ...]
+    codecs: tuple[str, ...]  # audio's, and each video model's unless it names its own
+
+    def video_codecs(self, vm: VideoModel) -> tuple[str, ...]:
+        return self.codecs if vm.codecs is None else vm.codecs
 
 
 PLANS = {
@@ -66,6 +90,16 @@ PLANS = {
                  prompts=4, audio_model="tiny", clips=4, codecs=CODECS),
     "quick": Plan("quick", (VideoModel("causvid", "causvid"),), prompts=2, audio_model="tiny", clips=2,
                   codecs=QUICK_CODECS),
+    # The shipped trained video model (`mmkv.assets`). One of its rollouts takes 7-9 s on one core (a random one
+    # 0.5 s), the VAE decode of 81 frames two thirds of it, so the trained plan runs every codec on one CausVid
+    # prompt and one codec on the frame-wise loop: 14 rollouts, about 2.5 minutes in all on two cores. The
+    # frame-wise loop reads the same checkpoint: the distilled model learned both loops' timesteps
+    # (docs/training.md).
+    "trained-full": Plan("trained-full", (VideoModel("causvid", "causvid", TRAINED_CODECS),
+                                          VideoModel("causal-forcing-frame", "causvid", ("octopus:b=2",))),
+                         prompts=1, audio_model="tiny", clips=4, codecs=CODECS),
+    "trained-quick": Plan("trained-quick", (VideoModel("causvid", "causvid", TRAINED_QUICK_CODECS),),
+                          prompts=2, audio_model="tiny", clips=2, codecs=QUICK_CODECS),
 }
 
 # The tiny CLAP of audio.md §11.5: 512-d projection as in laion/larger_clap_general, tiny towers
@@ -77,14 +111,18 @@ TINY_CLAP_TEXT = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_at
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                        help=f"demo folder: assets, runs, report, logs (default {DEFAULT_OUT}; reruns resume)")
+    parser.add_argument("--random", action="store_true",
+                        help="tiny random video models (fast) instead of the trained tiny video model shipped in the "
+                             "package (the default when its weights are installed)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help=f"demo folder: assets, runs, report, logs (default {DEFAULT_OUT}, or "
+                             f"{DEFAULT_OUT_RANDOM} for the random models; reruns resume)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny models, clips and rollout noise")
     parser.add_argument("--quick", action="store_true",
-                        help="even smaller (one video model, two prompts, two clips, four codecs): for tests")
-    parser.add_argument("--prompts", default=str(PROMPTS_FILE), metavar="FILE",
-                        help="prompt file to pick the demo prompts from (default: the repository's "
-                             "prompts/prompts.txt)")
+                        help="even smaller (one video model, two prompts, two clips, a few codecs): for tests")
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help="random models only: prompt file to pick the demo prompts from (default: the "
+                             "repository's prompts/prompts.txt; the trained model gets held-out scene captions)")
     parser.add_argument("--lpips", choices=("auto", "alexnet", "random", "off"), default="auto",
                         help="LPIPS trunk for the report: auto = torchvision's ImageNet AlexNet when it is in the "
                              "torch hub cache, else a seeded random trunk (marked †, not LPIPS)")
@@ -164,9 +202,26 @@ def write_tiny_clap(directory: str | Path, seed: int = 0) -> Path:
     return d
 
 
-def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path) -> dict[str, Any]:
+def held_out_captions(n: int) -> list[str]:
+    """Captions of the first n held-out scene seeds (never trained on): the procedural prompts the report scores for
+    adherence."""
+    from mmkv.pipelines.wan import scenes
+
+    return [scenes.caption(scenes.sample_scene(s)) for s in scenes.held_out_seeds(n)]
+
+
+def _identity(plan: Plan, seed: int, trained: dict[str, Any] | None) -> dict[str, Any]:
+    """What one demo folder is made of. `video_weights` names the shipped weights by their sums' SHA-256, so a
+    folder of one trained release never takes runs of another (nor of the random models)."""
+    return {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed,
+            "video_weights": trained["sums_sha256"] if trained else "random"}
+
+
+def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path | None,
+                 trained: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write every input of the demo under `root` (skipped when root/assets.json says it is complete) and return
-    the paths, as written to assets.json (last, atomically)."""
+    the paths, as written to assets.json (last, atomically). With `trained` (`mmkv.assets.trained_video_assets`),
+    the video entries point at the shipped weights and the prompts are held-out scene captions."""
     import soundfile as sf
 
     from mmkv.pipelines.aar.tiny import write_tiny_checkpoints
@@ -174,14 +229,21 @@ def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path) ->
     from mmkv.pipelines.wan.tiny import write_tiny_assets
 
     marker = root / "assets.json"
-    identity = {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed}
+    identity = _identity(plan, seed, trained)
     if marker.is_file():
         done = read_json(marker)
         if {k: done.get(k) for k in identity} == identity and all(Path(p).exists() for p in _paths(done)):
             return done
-    prompts = _pick_prompts(prompts_file, plan.prompts)
-    # kv_sensitive: the plain tiny DiT barely reads its cache (2-bit caches ~46 dB PSNR, LPIPS 0.000)
-    video = write_tiny_assets(root / "wan", layout="original", seed=seed, kv_sensitive=True)
+    if trained:
+        prompts, source = held_out_captions(plan.prompts), f"scenes.held_out_seeds({plan.prompts})"
+        video = {"wan_base": str(trained["base"]), "causvid": str(trained["causvid"])}
+    else:
+        prompts_file = prompts_file or PROMPTS_FILE
+        prompts, source = _pick_prompts(prompts_file, plan.prompts), str(prompts_file)
+        # kv_sensitive: the plain tiny DiT barely reads its cache (2-bit caches ~46 dB PSNR, LPIPS 0.000)
+        tiny = write_tiny_assets(root / "wan", layout="original", seed=seed, kv_sensitive=True)
+        video = {"wan_base": str(tiny["base"]), "causvid": str(tiny["causvid"]),
+                 "causal_forcing": str(tiny["causal_forcing"])}
     aar, sat = write_tiny_checkpoints(root / "aar", plan.audio_model, seed=seed)
     clap = write_tiny_clap(root / "clap", seed)
     clips_dir = root / "clips"
@@ -192,10 +254,9 @@ def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path) ->
             sf.write(str(tmp), samples, sr, subtype="PCM_16", format="WAV")
         clips.append(str(path))
     prompt_path = atomic_write_text(root / "prompts.txt", "".join(p + "\n" for p in prompts))
-    assets = {**identity, "prompts_source": str(prompts_file), "prompts": str(prompt_path),
-              "wan_base": str(video["base"]), "causvid": str(video["causvid"]),
-              "causal_forcing": str(video["causal_forcing"]), "aar_dir": str(aar.parent), "aar": str(aar),
-              "sat": str(sat), "clap": str(clap), "clips_dir": str(clips_dir), "clips": clips}
+    assets = {**identity, "prompts_source": source, "prompts": str(prompt_path), **video,
+              "aar_dir": str(aar.parent), "aar": str(aar), "sat": str(sat), "clap": str(clap),
+              "clips_dir": str(clips_dir), "clips": clips}
     atomic_write_json(marker, assets)
     return assets
 
@@ -236,12 +297,12 @@ def _lpips_mode(choice: str) -> str:
     return "alexnet" if default_alexnet_path().is_file() else "random"
 
 
-def _check_identity(out: Path, plan: Plan, seed: int) -> None:
-    """One demo folder holds one (mode, seed): resuming with other settings would mix incomparable runs."""
+def _check_identity(out: Path, want: dict[str, Any]) -> None:
+    """One demo folder holds one (mode, seed, video weights): resuming with other settings would mix incomparable
+    runs (trained and random ones among them)."""
     from mmkv.pipelines.common import atomic_write_json, read_json
 
     path = out / "demo.json"
-    want = {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed}
     if path.is_file():
         have = read_json(path)
         have = {k: have.get(k) for k in want} if isinstance(have, dict) else have
@@ -250,6 +311,33 @@ def _check_identity(out: Path, plan: Plan, seed: int) -> None:
                              "(or the same options to resume)")
     else:
         atomic_write_json(path, want)
+
+
+@contextlib.contextmanager
+def _keep_freed_memory(enabled: bool):
+    """Let glibc keep freed memory for reuse instead of handing it back to the kernel, while the block runs. At the
+    trained model's size every VAE convolution allocates and frees im2col buffers of up to 64 MB; glibc maps and
+    unmaps each one (and trims its heap), and every page is faulted in again: 1.5-2 M page faults, a third of a
+    rollout's time measured (one decode 8.5 -> 5.0 s). glibc's defaults come back after, so in-process callers (the
+    tests) are unaffected; a no-op where the C library has no `mallopt`."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt if enabled else None
+    except (OSError, AttributeError):
+        mallopt = None
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # glibc's malloc.h
+    if mallopt is not None:
+        mallopt(m_mmap_max, 0)  # every block from the heap, which keeps what is freed ...
+        mallopt(m_trim_threshold, 1 << 30)  # ... unless over 1 GiB is free at its top
+        mallopt(m_top_pad, 64 << 20)
+    try:
+        yield
+    finally:
+        if mallopt is not None:  # glibc's defaults (mallopt(3))
+            mallopt(m_mmap_max, 65536)
+            mallopt(m_trim_threshold, 128 << 10)
+            mallopt(m_top_pad, 128 << 10)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,38 +354,69 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(before)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from mmkv.pipelines.wan.tiny import TINY_VIDEO
+def _choose_models(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The shipped trained video model unless --random or it is not installed (then one line says so); a broken
+    install fails here (`mmkv.assets.AssetError`)."""
+    from mmkv.assets import VIDEO_ASSETS, trained_video_assets
 
-    plan = PLANS["quick" if args.quick else "full"]
+    if args.random:
+        return None
+    trained = trained_video_assets()
+    if trained is None:
+        print(f"mmkv demo: the trained tiny video model is not installed (no weights in {VIDEO_ASSETS}): using the "
+              "tiny random models, as --random does", flush=True)
+    elif args.prompts is not None:
+        raise UsageError("--prompts is for the random models: the trained model is prompted with held-out scene "
+                         "captions. Add --random to use your prompts, or drop --prompts")
+    return trained
+
+
+def _run(args: argparse.Namespace) -> int:
     from mmkv.pipelines.common import check_out_dir, parse_device
 
-    out = check_out_dir(args.out)  # also: a path under a file, a read-only folder
+    trained = _choose_models(args)
+    size_name = "quick" if args.quick else "full"
+    plan = PLANS[f"trained-{size_name}" if trained else size_name]
+    out = check_out_dir(args.out or (DEFAULT_OUT if trained else DEFAULT_OUT_RANDOM))  # also: read-only, under a file
     parse_device(args.device)  # a device this machine lacks fails here, not inside the first step
     out.mkdir(parents=True, exist_ok=True)
-    _check_identity(out, plan, args.seed)
+    _check_identity(out, _identity(plan, args.seed, trained))
+    with _keep_freed_memory(enabled=trained is not None):
+        return _render(args, plan, trained, out)
+
+
+def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None, out: Path) -> int:
+    from mmkv.pipelines.wan.tiny import TINY_VIDEO
+
     lpips = _lpips_mode(args.lpips)
     device = ["--device", args.device] if args.device else []
     logs = out / "logs"
-    codecs = ",".join(plan.codecs)
+    size = TRAINED_VIDEO if trained else TINY_VIDEO
+    # Trained: each compressed unit decoded once a rollout, not on every attention call (bit-identical outputs, KV
+    # bytes unchanged; docs/decisions.md): 0.4 s less a CausVid rollout, 3 s less a frame-wise one.
+    reuse = ["--reuse-decoded"] if trained else []
     t_start = time.perf_counter()
-    print(f"mmkv demo ({plan.mode}): tiny random models, reference + {len(plan.codecs)} codecs, into {out}/",
-          flush=True)
+    what = "the trained tiny video model, random audio models" if trained else "tiny random models"
+    n_codecs = len(set().union(plan.codecs, *(plan.video_codecs(vm) for vm in plan.video)))
+    print(f"mmkv demo ({plan.mode}): {what}, reference + {n_codecs} codecs, into {out}/", flush=True)
 
     t0 = time.perf_counter()
-    assets = write_assets(out / "assets", plan, args.seed, args.prompts)
+    assets = write_assets(out / "assets", plan, args.seed, args.prompts, trained)
     print(f"  {'assets':<46} {time.perf_counter() - t0:6.1f} s   ({out / 'assets'})", flush=True)
 
     video_runs = []
     for vm in plan.video:
         run_dir = out / "runs" / vm.preset
-        # the tiny grid: 33 x 32 x 48 pixels -> 9 x 4 x 6 latents, 2 s at 16 fps
+        # random: the tiny grid, 33 x 32 x 48 pixels -> 9 x 4 x 6 latents, 2 s at 16 fps; trained: 81 x 64 x 96
+        # pixels -> 21 x 16 x 24 latents, 5 s
         _mmkv(["generate", "video", "--model", vm.preset, "--ckpt", assets[vm.checkpoint], "--base",
-               assets["wan_base"], "--prompts", assets["prompts"], "--codecs", codecs,
-               "--frames", str(TINY_VIDEO["frames"]), "--height", str(TINY_VIDEO["height"]),
-               "--width", str(TINY_VIDEO["width"]), "--seed", str(args.seed), "--out", str(run_dir), *device],
+               assets["wan_base"], "--prompts", assets["prompts"],
+               "--codecs", ",".join(plan.video_codecs(vm)), "--frames", str(size["frames"]),
+               "--height", str(size["height"]), "--width", str(size["width"]), "--seed", str(args.seed),
+               "--out", str(run_dir), *reuse, *device],
               logs / f"generate_video_{vm.preset}.log", step=f"generate video --model {vm.preset}")
         video_runs.append(run_dir)
+    codecs = ",".join(plan.codecs)
     audio_run = out / "runs" / "audio"
     _mmkv(["compare", "audio", "--aar", assets["aar_dir"], "--clap", assets["clap"], "--clips", assets["clips_dir"],
            "--codecs", codecs, "--seed", str(args.seed), "--out", str(audio_run), *device],
@@ -317,7 +436,7 @@ def _run(args: argparse.Namespace) -> int:
         headlines.append(_strip_log_header(log.read_text(encoding="utf-8")))
     total = time.perf_counter() - t_start
 
-    print(_where(out, assets, video_runs, audio_run, report, lpips, total))
+    print(_where(out, video_runs, audio_run, report, lpips, total, trained is not None))
     for text in headlines:
         print(text.rstrip() + "\n")
     return 0
@@ -327,9 +446,16 @@ def _strip_log_header(text: str) -> str:
     return text.split("\n\n", 1)[1] if text.startswith("$ mmkv ") else text
 
 
-def _where(out: Path, assets: dict[str, Any], video_runs: list[Path], audio_run: Path, report: Path, lpips: str,
-           total: float) -> str:
+def _where(out: Path, video_runs: list[Path], audio_run: Path, report: Path, lpips: str, total: float,
+           trained: bool) -> str:
     plots = sorted((report / "plots").glob("*.png"))
+    if trained:
+        assets_note = "random audio checkpoints, CLAP, clips, held-out captions; the video model is read in place"
+        caveat = ("Video: the trained TINY model on held-out captions (adherence is scored); audio: tiny RANDOM "
+                  "models. The numbers show the harness works, not how a codec behaves on the real models.")
+    else:
+        assets_note = "tiny random checkpoints in release formats, CLAP, clips, prompts"
+        caveat = "Tiny RANDOM models: the numbers show the harness works, not how good a codec is on the real models."
     lines = [
         "",
         f"done in {total:.0f} s. Everything is under {out}/:",
@@ -339,10 +465,10 @@ def _where(out: Path, assets: dict[str, Any], video_runs: list[Path], audio_run:
         *[f"  video run    {r}/rollouts/<prompt>/<variant>/{{video.mp4, frames.npy, latents.safetensors}}"
           for r in video_runs],
         f"  audio run    {audio_run}/rollouts/<clip>/<variant>/{{audio.wav, tokens, latent}}",
-        f"  assets       {out / 'assets'}/ (tiny random checkpoints in release formats, CLAP, clips, prompts)",
+        f"  assets       {out / 'assets'}/ ({assets_note})",
         f"  logs         {out / 'logs'}/",
         "",
-        "Tiny RANDOM models: the numbers show the harness works, not how good a codec is on the real models.",
+        caveat,
     ]
     if lpips == "random":
         lines.append("LPIPS† uses a seeded random AlexNet trunk (no ImageNet AlexNet in the torch hub cache): not "

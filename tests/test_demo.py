@@ -1,5 +1,7 @@
-"""`mmkv demo --quick` end to end: assets in their release formats, the run folders, the report, the gallery, the
-headline, and a resumed rerun that renders nothing again."""
+"""`mmkv demo --quick --random` end to end: assets in their release formats, the run folders, the report, the
+gallery, the headline, and a resumed rerun that renders nothing again. `--random` wins over shipped trained weights,
+and without them the demo falls back to the random models, saying so (tests/test_demo_trained.py: the trained
+mode)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import pytest
 import soundfile as sf
 import torch
 
+import mmkv.assets
+from mmkv.assets import record_sums
 from mmkv.cli import main
 from mmkv.demo import PLANS
 from mmkv.pipelines.common import parse_codec_list
@@ -24,20 +28,34 @@ PLAN = PLANS["quick"]
 VIDEO = PLAN.video[0].preset
 
 
-def _demo(out: Path, *extra: str) -> tuple[int, str, float]:
+def _demo(out: Path, *extra: str, assets: Path) -> tuple[int, str, float]:
+    """`mmkv demo --quick` with `assets` as the folder of shipped trained video weights."""
     buf = io.StringIO()
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(buf):
+    with contextlib.redirect_stdout(buf), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", assets)
         rc = main(["demo", "--quick", "--seed", "3", "--out", str(out), *extra])
     return rc, buf.getvalue(), time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """--random beside shipped weights whose sums check out (placeholder bytes: rendering them would fail)."""
+    shipped = tmp_path_factory.mktemp("assets") / "video"
+    for name in ("base/transformer/config.json", "causvid/model.pt"):
+        (shipped / name).parent.mkdir(parents=True, exist_ok=True)
+        (shipped / name).write_text("not a model\n")
+    record_sums(shipped)
     out = tmp_path_factory.mktemp("demo") / "tmp"
-    rc, stdout, seconds = _demo(out)
+    rc, stdout, seconds = _demo(out, "--random", assets=shipped)
     assert rc == 0, stdout
     return out, stdout, seconds
+
+
+def test_random_wins_over_shipped_weights(demo):
+    out, stdout, _ = demo
+    assert stdout.startswith("mmkv demo (quick): tiny random models") and "not installed" not in stdout
+    assert json.loads((out / "demo.json").read_text())["video_weights"] == "random"
 
 
 def _rollouts(run: Path) -> dict[tuple[str, str], dict]:
@@ -168,16 +186,22 @@ def test_video_quality_falls_with_the_bits(demo):
     assert np.mean(psnr["turboquant-mse:b=4"]) > np.mean(psnr["octopus:b=2"]) + 3, psnr
 
 
-def test_rerun_resumes_and_other_settings_are_refused(demo, capsys):
+def test_rerun_resumes_and_other_settings_are_refused(demo, capsys, tmp_path):
     out, _, first = demo
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/rollouts/*/*/rollout.json")}
     assets = (out / "assets" / "assets.json").stat().st_mtime_ns
-    rc, stdout, seconds = _demo(out)
+    # no --random, but no trained weights shipped: one line says so and the random demo resumes
+    rc, stdout, seconds = _demo(out, assets=tmp_path / "none")
     assert rc == 0 and "| Identity |" in stdout
+    first_lines = stdout.splitlines()[:2]
+    assert "trained tiny video model is not installed" in first_lines[0] and "random" in first_lines[0]
+    assert first_lines[1].startswith("mmkv demo (quick): tiny random models")
     assert {p: p.stat().st_mtime_ns for p in out.glob("runs/*/rollouts/*/*/rollout.json")} == stamps
     assert (out / "assets" / "assets.json").stat().st_mtime_ns == assets
     assert "already complete" in (out / "logs" / f"generate_video_{VIDEO}.log").read_text()
     assert seconds < first
 
-    assert main(["demo", "--seed", "3", "--out", str(out)]) == 2  # the full demo into the quick demo's folder
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", tmp_path / "none")
+        assert main(["demo", "--seed", "3", "--out", str(out)]) == 2  # the full demo into the quick demo's folder
     assert "holds a demo made with" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+"""Model weights shipped inside the package, checked against their recorded SHA-256 before use.
+
+The trained tiny video model (docs/training.md) ships as `mmkv/assets/video/`, the release layout `mmkv train video`
+writes: `base/` (a diffusers Wan folder: VAE, umT5 encoder, tokenizer, DiT config) and `causvid/model.pt` (the DiT as
+CausVid's `{"generator": ...}`, read by both the chunk-wise and the frame-wise loops), beside `SHA256SUMS`, which
+records every file in `sha256sum` format (`<hex>  <path relative to the folder>` a line). Shipping new weights is
+copying the two folders and writing the sums:
+
+    cd mmkv/assets/video && find base causvid -type f | sort | xargs sha256sum > SHA256SUMS
+
+(or `record_sums(folder)`). Every file is checked on use, so a truncated download or a file swapped after install is
+refused rather than rendered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+VIDEO_ASSETS = Path(__file__).resolve().parent / "assets" / "video"
+SUMS = "SHA256SUMS"
+CHECKPOINT = "causvid/model.pt"
+_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")  # sha256sum's text (two spaces) and binary (" *") forms
+_FIX = "reinstall mmkv, or run `mmkv demo --random` for the random tiny models"
+
+
+class AssetError(ValueError):
+    """Shipped weights that are incomplete or differ from their recorded SHA-256 (printed without a traceback)."""
+
+
+def read_sums(path: Path) -> dict[str, str]:
+    """{relative posix path: lower-case SHA-256} from a `sha256sum` file; blank and `#` lines are skipped."""
+    sums: dict[str, str] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        m = _LINE.fullmatch(line.rstrip())
+        rel = PurePosixPath(m.group(2)) if m else None
+        if rel is None or rel.is_absolute() or ".." in rel.parts:
+            raise AssetError(f"{path}:{n}: expected '<64 hex digits>  <path inside {path.parent}>', got {line!r}")
+        sums[rel.as_posix()] = m.group(1).lower()
+    return sums
+
+
+def record_sums(root: str | Path) -> Path:
+    """Write root/SHA256SUMS over every other file under `root` (what shipping new weights needs)."""
+    from mmkv.pipelines.common import atomic_write_text, sha256_file
+
+    root = Path(root)
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != SUMS)
+    return atomic_write_text(root / SUMS, "".join(f"{sha256_file(root / f)}  {f}\n" for f in files))
+
+
+def trained_video_assets(root: str | Path | None = None) -> dict[str, Any] | None:
+    """The shipped trained video model, checked: {"root", "base" (folder), "causvid" (model.pt), "sums_sha256" (of
+    SHA256SUMS: names this set of weights)}, or None when no weights are shipped. Raises AssetError, one line naming
+    the file, when a file is missing, unrecorded or its SHA-256 differs from the recorded one."""
+    from mmkv.pipelines.common import sha256_file
+
+    root = VIDEO_ASSETS if root is None else Path(root)
+    sums_path = root / SUMS
+    on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != SUMS) \
+        if root.is_dir() else []
+    if not sums_path.is_file():
+        if on_disk:
+            raise AssetError(f"{root} holds model files ({on_disk[0]}, ...) but no {SUMS} recording their SHA-256; "
+                             + _FIX)
+        return None
+    sums = read_sums(sums_path)
+    if CHECKPOINT not in sums or not any(f.startswith("base/") for f in sums):
+        raise AssetError(f"{sums_path} must record {CHECKPOINT} and the files of base/; it lists {sorted(sums)}")
+    unrecorded = [f for f in on_disk if f not in sums]
+    if unrecorded:
+        raise AssetError(f"{root / unrecorded[0]} is not recorded in {sums_path}: every shipped file must be; " + _FIX)
+    for rel, want in sums.items():
+        path = root / rel
+        if not path.is_file():
+            raise AssetError(f"{path} is recorded in {sums_path} but missing (an incomplete install); " + _FIX)
+        have = sha256_file(path)
+        if have != want:
+            raise AssetError(f"{path}: SHA-256 {have} differs from {want} recorded in {sums_path}; " + _FIX)
+    return {"root": root, "base": root / "base", "causvid": root / CHECKPOINT,
+            "sums_sha256": hashlib.sha256(sums_path.read_bytes()).hexdigest()}

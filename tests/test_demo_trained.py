@@ -1,0 +1,183 @@
+"""`mmkv demo` with trained video weights shipped in the package: the weights are checked against their SHA-256 sums,
+trained mode is the default when they are there, it renders held-out scene captions and the report scores them for
+adherence, and trained and random runs never share a folder.
+
+The stand-in for the shipped weights is a randomly initialised model of `mmkv train video`'s `micro` configuration
+in the release layout (`train.write_release`), run at its own clip size (21 x 32 x 48) to stay fast."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mmkv.assets
+from mmkv import demo
+from mmkv.assets import AssetError, read_sums, record_sums, trained_video_assets
+from mmkv.cli import main
+from mmkv.pipelines.common import parse_codec_list
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = demo.PLANS["trained-quick"]
+MICRO_VIDEO = {"frames": 21, "height": 32, "width": 48}  # train.get_config("micro")'s clips
+
+
+def write_standin(root: Path) -> Path:
+    """A random `micro` model in the shipped layout (base/, causvid/model.pt) with its SHA256SUMS."""
+    from mmkv.pipelines.wan import scenes, train
+
+    cfg = train.get_config("micro")
+    tokenizer = train.word_tokenizer(scenes.vocabulary(), cfg.text_len)
+    train.write_release(root, cfg, vae=train.build_vae(cfg, 0), tokenizer=tokenizer,
+                        encoder=train.build_text_encoder(cfg, len(tokenizer), 0), dit=train.build_dit(cfg, 0))
+    record_sums(root)
+    return root
+
+
+def _demo(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["demo", *argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    return write_standin(tmp_path_factory.mktemp("assets") / "video")
+
+
+@pytest.fixture(scope="module")
+def trained(standin, tmp_path_factory):
+    """`mmkv demo --quick` with the stand-in installed as the shipped weights (no --random)."""
+    out = tmp_path_factory.mktemp("demo") / "trained"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", standin)
+        mp.setattr(demo, "TRAINED_VIDEO", MICRO_VIDEO)
+        rc, stdout, stderr = _demo("--quick", "--seed", "1", "--out", str(out))
+    assert rc == 0, stdout + stderr
+    return out, stdout
+
+
+def test_sums_record_every_file_and_the_assets_check_out(standin):
+    sums = read_sums(standin / "SHA256SUMS")
+    assert "causvid/model.pt" in sums and "base/vae/diffusion_pytorch_model.safetensors" in sums
+    assert len(sums) == sum(1 for p in standin.rglob("*") if p.is_file()) - 1
+    found = trained_video_assets(standin)
+    assert found["base"] == standin / "base" and found["causvid"] == standin / "causvid" / "model.pt"
+    assert len(found["sums_sha256"]) == 64
+
+
+def test_no_shipped_weights_is_none(tmp_path):
+    assert trained_video_assets(tmp_path / "absent") is None
+    assert trained_video_assets(tmp_path) is None  # the folder exists but holds nothing
+
+
+def test_a_changed_file_is_a_one_line_error_naming_it_and_both_hashes(standin, tmp_path):
+    root = shutil.copytree(standin, tmp_path / "video")
+    ckpt = root / "causvid" / "model.pt"
+    data = bytearray(ckpt.read_bytes())
+    data[-100] ^= 0xFF
+    ckpt.write_bytes(bytes(data))
+    want = read_sums(root / "SHA256SUMS")["causvid/model.pt"]
+    with pytest.raises(AssetError) as err:
+        trained_video_assets(root)
+    msg = str(err.value)
+    assert "\n" not in msg and str(ckpt) in msg and want in msg
+    assert mmkv.assets.hashlib.sha256(bytes(data)).hexdigest() in msg
+
+    # through the command: exit 2, that one line, no traceback, nothing rendered
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", root)
+        rc, stdout, stderr = _demo("--quick", "--out", str(tmp_path / "out"))
+    assert rc == 2 and stderr.count("\n") == 1 and want in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["missing", "unrecorded", "no sums", "bad line"])
+def test_an_incomplete_install_is_refused(standin, tmp_path, damage):
+    root = shutil.copytree(standin, tmp_path / "video")
+    if damage == "missing":
+        (root / "base" / "tokenizer" / "tokenizer.json").unlink()
+    elif damage == "unrecorded":
+        (root / "base" / "extra.safetensors").write_bytes(b"x")
+    elif damage == "no sums":
+        (root / "SHA256SUMS").unlink()
+    else:
+        (root / "SHA256SUMS").write_text("not a sum line\n")
+    with pytest.raises(AssetError, match={"missing": "tokenizer.json is recorded .* but missing",
+                                          "unrecorded": "extra.safetensors is not recorded",
+                                          "no sums": "no SHA256SUMS", "bad line": "SHA256SUMS:1: expected"}[damage]):
+        trained_video_assets(root)
+
+
+def test_package_data_ships_the_nested_asset_files():
+    """The shipped layout is nested (base/vae/...): the package-data glob must reach every level."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "assets/video/**/*" in cfg["tool"]["setuptools"]["package-data"]["mmkv"]
+
+
+def test_trained_mode_is_the_default_when_weights_are_shipped(trained, standin):
+    out, stdout = trained
+    assert "(trained-quick): the trained tiny video model" in stdout and "not installed" not in stdout
+    record = json.loads((out / "demo.json").read_text())
+    assert record["mode"] == "trained-quick"
+    assert record["video_weights"] == trained_video_assets(standin)["sums_sha256"]
+    assets = json.loads((out / "assets" / "assets.json").read_text())
+    assert Path(assets["causvid"]) == standin / "causvid" / "model.pt" and Path(assets["wan_base"]) == standin / "base"
+    assert not (out / "assets" / "wan").exists()  # no random video model was written
+    # the prompts are the held-out scene captions, written to the run's prompt file
+    assert Path(assets["prompts"]).read_text().splitlines() == demo.held_out_captions(PLAN.prompts)
+    log = (out / "logs" / "generate_video_causvid.log").read_text()
+    assert f"--ckpt {standin / 'causvid' / 'model.pt'}" in log and "--frames 21 --height 32 --width 48" in log
+    assert "--reuse-decoded" in log  # bit-identical and faster; random runs keep decoding on every call
+    assert "--reuse-decoded" not in (out / "logs" / "compare_audio.log").read_text()
+    frames = np.load(next((out / "runs" / "causvid" / "rollouts").glob("*/reference/frames.npy")))
+    assert frames.shape == (21, 32, 48, 3)
+
+
+def test_trained_runs_hold_the_trained_codecs(trained):
+    out, _ = trained
+    (vm,) = PLAN.video
+    want = {"reference"} | {s.variant for s in parse_codec_list(",".join(PLAN.video_codecs(vm)), value_group=32)}
+    got = {p.parent.name for p in (out / "runs" / vm.preset).glob("rollouts/*/*/rollout.json")}
+    assert got == want and any(v.startswith("qvg_") for v in got)
+
+
+def test_the_report_scores_adherence_of_every_video_rollout(trained):
+    out, stdout = trained
+    table = json.loads((out / "report" / "table.json").read_text())
+    keys = [c["key"] for c in table["columns"]]
+    # (no consistency column: it needs a striped background in block 1, which a random model does not draw)
+    assert {"causvid/adherence/min", "causvid/adherence/mean", "causvid/adherence/max"} <= set(keys), keys
+    video_presets = {"reference"} | {s.preset for s in parse_codec_list(",".join(PLAN.video_codecs(PLAN.video[0])),
+                                                                          value_group=32)}
+    scored = {r["preset"]: r["causvid/adherence/mean"] for r in table["rows"]}
+    assert all(0 <= scored[p] <= 1 for p in video_presets), scored  # the reference is scored too
+    import csv
+
+    with open(out / "report" / "rollouts.csv", newline="", encoding="utf-8") as f:
+        video = [r for r in csv.DictReader(f) if r["kind"] == "video"]
+    assert len(video) == PLAN.prompts * len(video_presets)
+    for r in video:  # a score in [0, 1] for each rollout, the reference's too: every prompt is a procedural caption
+        assert 0 <= float(r["adherence"]) <= 1, r
+    assert "adherence" in stdout  # in the headline table too
+
+
+def test_trained_and_random_runs_never_share_a_folder(trained, standin):
+    out, _ = trained
+    rc, _, stderr = _demo("--quick", "--random", "--seed", "1", "--out", str(out))
+    assert rc == 2 and "holds a demo made with" in stderr and "'trained-quick'" in stderr
+
+
+def test_prompts_are_for_the_random_models(standin, tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", standin)
+        rc, _, stderr = _demo("--quick", "--prompts", str(ROOT / "prompts" / "prompts.txt"),
+                              "--out", str(tmp_path / "out"))
+    assert rc == 2 and "--prompts is for the random models" in stderr and not (tmp_path / "out").exists()
