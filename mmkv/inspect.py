@@ -457,17 +457,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--init-seed", type=int, default=0,
                    help="seed of --random-init weights and of the random audio condition (default 0)")
     g = parser.add_argument_group("audio model and conditioning (as `mmkv compare audio`)")
-    g.add_argument("--aar", metavar="DIR",
-                   help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint each)")
-    g.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
-    g.add_argument("--clap", metavar="DIR",
-                   help="local laion/larger_clap_general directory (transformers); with --clap-backend laion, a "
-                        "laion-clap .pt checkpoint")
-    g.add_argument("--clap-backend", choices=("transformers", "laion"), default="transformers",
-                   help="CLAP implementation (default transformers, what AAR was trained with)")
-    g.add_argument("--embeddings", metavar="PATH",
-                   help="precomputed 512-d CLAP embeddings instead of --clap: a folder of <clip stem>.npy/.safetensors "
-                        "or one .safetensors/.npz file keyed by clip stem")
+    from mmkv.pipelines.audio_cli import add_model_arguments
+
+    add_model_arguments(g, g, required=False)
     g.add_argument("--clip", metavar="FILE", help="the audio clip that conditions the rollout")
     g.add_argument("--clips", nargs="+", metavar="DIR|FILE",
                    help="audio clips or folders searched recursively, in `mmkv compare audio`'s order; --clip-index "

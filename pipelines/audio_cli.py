@@ -62,20 +62,26 @@ HASH_LABELS = {"aar_sha256": "AAR checkpoint", "sat_sha256": "SAT checkpoint",
 CAPTION_SUFFIX = ".txt"  # <clip stem>.txt beside a clip holds its caption
 
 
+def add_model_arguments(models, conditioning, *, required: bool) -> None:
+    """The AAR / SAT / CLAP flags, shared by `mmkv compare audio` and `mmkv inspect kv`."""
+    models.add_argument("--aar", required=required, metavar="DIR",
+                        help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint "
+                             "each)")
+    models.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
+    conditioning.add_argument("--clap", metavar="DIR",
+                              help="local laion/larger_clap_general directory (transformers); with --clap-backend "
+                                   "laion, a laion-clap .pt checkpoint")
+    conditioning.add_argument("--clap-backend", choices=("transformers", "laion"), default="transformers",
+                              help="CLAP implementation (default transformers, what AAR was trained with)")
+    conditioning.add_argument("--embeddings", metavar="PATH",
+                              help="precomputed 512-d CLAP embeddings instead of --clap: a folder of <clip "
+                                   "stem>.npy/.safetensors or one .safetensors/.npz file keyed by clip stem")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("models")
-    g.add_argument("--aar", required=True, metavar="DIR",
-                   help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint each)")
-    g.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
+    models = parser.add_argument_group("models")
     g = parser.add_argument_group("conditioning")
-    g.add_argument("--clap", metavar="DIR",
-                   help="local laion/larger_clap_general directory (transformers); with --clap-backend laion, a "
-                        "laion-clap .pt checkpoint")
-    g.add_argument("--clap-backend", choices=("transformers", "laion"), default="transformers",
-                   help="CLAP implementation (default transformers, what AAR was trained with)")
-    g.add_argument("--embeddings", metavar="PATH",
-                   help="precomputed 512-d CLAP embeddings instead of --clap: a folder of <clip stem>.npy/.safetensors "
-                        "or one .safetensors/.npz file keyed by clip stem")
+    add_model_arguments(models, g, required=True)
     g.add_argument("--clips", nargs="+", metavar="DIR|FILE",
                    help="audio clips (any common format and sample rate) or folders searched recursively; may be "
                         "omitted with --embeddings (one rollout per embedding). A <clip stem>.txt beside a clip is "
