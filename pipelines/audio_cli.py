@@ -1,13 +1,13 @@
 """`mmkv compare audio`: AAR rollouts with the native KV cache and with each codec, side by side, per clip.
 
 For every clip: a CLAP embedding of the clip (or a precomputed one) conditions AAR; the reference rollout (native fp32
-cache) and one rollout per codec run from the same sampling uniforms (same seed and clip, audio.md §4); each writes
+cache) and one rollout per codec run from the same sampling uniforms (same seed and clip); each writes
 
     RUN/rollouts/<clip stem>/<reference | codec slug>/{audio.wav, tokens.safetensors, latent.safetensors, rollout.json}
 
 with rollout.json last (atomic), so a rerun skips finished rollouts, and the rollout's wall times just after it in
 timings.json. The KV cache lives in an `mmkv.cache.KVStore` whose unit is one scale; `--residual-window` counts scales
-including the current one (1 = only the current scale is native, audio.md §5.3). Clips are sharded round-robin over
+including the current one (1 = only the current scale is native). Clips are sharded round-robin over
 torchrun ranks; each rank writes manifest.rank{R}.json (and its wall times in timings.rank{R}.json) and prints a table
 per clip and overall (LSD, log-mel MSE, SNR, latent cosine; min / mean / max).
 

@@ -1,15 +1,15 @@
 """Loaders for CausVid / Causal Forcing / Self-Forcing checkpoints and the base Wan2.1 directory. Local files only,
 no downloads.
 
-* Causal DiT (video.md §5.3-5.5): a `.pt` holding {"generator": sd} (CausVid `model.pt`, also carrying "critic"),
+* Causal DiT: a `.pt` holding {"generator": sd} (CausVid `model.pt`, also carrying "critic"),
   {"generator_ema": sd} / {"generator": sd} (Causal Forcing), or all three of "generator", "critic" and
   "generator_ema" (Self-Forcing's `self_forcing_dmd.pt`, written by its `trainer/distillation.py`; its
   `inference.py --use_ema`, the command its README gives, loads "generator_ema"). Keys are `model.` + original Wan
   names, possibly with FSDP path segments; or a flat safetensors file. Keys are normalised, renamed to diffusers
-  names (§5.5 table) and loaded strictly: a wrong layout fails with the missing and unexpected keys listed, in
+  names (`dit_key_to_diffusers`) and loaded strictly: a wrong layout fails with the missing and unexpected keys listed, in
   original naming.
-* Base directory, original layout (§5.1): `config.json`, `Wan2.1_VAE.pth`, `models_t5_umt5-xxl-enc-bf16.pth`,
-  `google/umt5-xxl/`; or diffusers layout (§5.2): `transformer/config.json`, `vae/`, `text_encoder/`, `tokenizer/`.
+* Base directory, original layout: `config.json`, `Wan2.1_VAE.pth`, `models_t5_umt5-xxl-enc-bf16.pth`,
+  `google/umt5-xxl/`; or diffusers layout: `transformer/config.json`, `vae/`, `text_encoder/`, `tokenizer/`.
   The base DiT weights are never needed: the causal checkpoint holds all of them.
 
 Pickles are read with `torch.load(weights_only=True)`, which never runs code (`read_checkpoint_file`). Weights go to

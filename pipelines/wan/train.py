@@ -189,11 +189,16 @@ def training_seeds(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(0, scenes.TRAIN_SEED_END, (n,), generator=gen).tolist()
 
 
-def render_clips(seeds: list[int], cfg: VideoTrainConfig, device: torch.device, frames: int | None = None):
-    """(pixels [B, 3, T, H, W] in [-1, 1], captions) of the scenes of `seeds`."""
+def render_pixels(seeds: list[int], *, frames: int, height: int, width: int, device: torch.device):
+    """(pixels [B, 3, T, H, W] in [-1, 1], the VAE's input, and captions) of the scenes of `seeds`."""
     batch = [scenes.sample_scene(s) for s in seeds]
-    video = scenes.render(batch, frames=frames or cfg.frames, height=cfg.height, width=cfg.width, device=device)
+    video = scenes.render(batch, frames=frames, height=height, width=width, device=device)
     return video.permute(0, 4, 1, 2, 3).mul(2).sub(1), [scenes.caption(s) for s in batch]
+
+
+def render_clips(seeds: list[int], cfg: VideoTrainConfig, device: torch.device):
+    """`render_pixels` at a config's clip size."""
+    return render_pixels(seeds, frames=cfg.frames, height=cfg.height, width=cfg.width, device=device)
 
 
 def tokenize(tokenizer, captions: list[str], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,17 +318,16 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
 def vae_psnr(vae, seeds: list[int], *, frames: int, height: int, width: int, device: torch.device,
              batch: int = 8) -> float:
     """Mean PSNR (dB, 8-bit pixels) of full clips of `seeds` through encode (posterior mean) and decode."""
+    from mmkv.metrics.video import psnr_from_mse
+
     values = []
+    dtype = next(vae.parameters()).dtype
     for i in range(0, len(seeds), batch):
-        clips = [scenes.sample_scene(s) for s in seeds[i:i + batch]]
-        video = scenes.render(clips, frames=frames, height=height, width=width, device=device)
-        video = video.permute(0, 4, 1, 2, 3).mul(2).sub(1)
-        dtype = next(vae.parameters()).dtype
+        video, _ = render_pixels(seeds[i:i + batch], frames=frames, height=height, width=width, device=device)
         rec = vae.decode(vae.encode(video.to(dtype)).latent_dist.mode()).sample.float().clamp(-1, 1)
         a = ((video.float() + 1) * 127.5).round()
         b = ((rec + 1) * 127.5).round()
-        mse = (a - b).pow(2).flatten(1).mean(1).clamp_min(1e-10)
-        values += (10 * torch.log10(255.0 ** 2 / mse)).tolist()
+        values += psnr_from_mse((a - b).pow(2).flatten(1).mean(1).cpu().numpy()).tolist()
     return sum(values) / len(values)
 
 
@@ -603,9 +607,7 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
 
 
 def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    return copy.deepcopy(module).to("cpu", torch.bfloat16)
+    return frozen_copy(module).to("cpu", torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------------------------
