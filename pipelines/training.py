@@ -214,6 +214,7 @@ def start_stage(args, first_stage: str, previous: dict[str, str] | None = None) 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True  # the VAE's conv3d shapes repeat every step
     return StageRun(args.stage, device, out, source, init)
 
 

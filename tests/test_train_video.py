@@ -156,3 +156,33 @@ def test_summary_counts_a_missing_object_as_wrong():
     s = summarize([clip, lost])
     assert s["found_pct"] == 50.0 and s["colour_pct"] == 50.0 and s["shape_pct"] == 0.0
     assert s["consistency_pct"] == 50.0 and s["background_psnr_db"] == 30.0
+
+
+@pytest.mark.parametrize("fpb", [3, 1])
+def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
+    """What the DiT learns in teacher forcing is what inference asks of it: the flow of a noisy block seeing the clean
+    blocks before it through the mask equals the flow of the same block denoised after those clean blocks were
+    committed to a KV cache (mode "commit" at t = 0), block by block."""
+    from mmkv.cache import CacheConfig, KVStore
+
+    cfg = train.get_config("micro")
+    dit = train.build_dit(cfg, seed=3).eval()
+    dit.state.cache_cross_attn = False
+    f, h, w = 6, cfg.height // 4, cfg.width // 4
+    gen = torch.Generator().manual_seed(0)
+    clean = torch.randn(1, f, 16, h, w, generator=gen)
+    noisy = torch.randn(1, f, 16, h, w, generator=gen)
+    context = torch.randn(1, cfg.text_len, cfg.dit["text_dim"], generator=gen)
+    t_blocks = [900.0, 650.0, 400.0, 250.0, 800.0, 120.0][: f // fpb]
+    t = torch.tensor(t_blocks).repeat_interleave(fpb)[None]
+    mask = train.teacher_forcing_mask(f, fpb, dit.tokens_per_frame(h, w))
+    with torch.no_grad():
+        full = train.teacher_forced_flow(dit, clean, noisy, t, context, mask)
+        store = KVStore(CacheConfig(codec=None, residual_window=f), num_layers=dit.num_layers,
+                        num_heads=dit.num_heads, head_dim=dit.head_dim)
+        dit.reset()
+        with store.attach(dit.transformer):
+            for j, s in enumerate(range(0, f, fpb)):
+                flow = dit(noisy[:, s:s + fpb], t_blocks[j], context, start_frame=s, mode="denoise")
+                torch.testing.assert_close(flow, full[:, s:s + fpb], rtol=1e-4, atol=1e-4)
+                dit(clean[:, s:s + fpb], 0.0, context, start_frame=s, mode="commit")
