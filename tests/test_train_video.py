@@ -186,3 +186,17 @@ def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
                 flow = dit(noisy[:, s:s + fpb], t_blocks[j], context, start_frame=s, mode="denoise")
                 torch.testing.assert_close(flow, full[:, s:s + fpb], rtol=1e-4, atol=1e-4)
                 dit(clean[:, s:s + fpb], 0.0, context, start_frame=s, mode="commit")
+
+
+def test_vae_batches_mix_short_full_size_crops_and_long_windowed_ones():
+    """A `vae_long_share` of the VAE batches are long crops of a spatial window (the causal caches' long-clip
+    regime); the rest short full-size crops; all start on a chunk boundary and are reproducible from the seed."""
+    cfg = train.get_config("micro")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [tuple(train.vae_batch(cfg, gen, torch.device("cpu")).shape) for _ in range(12)]
+    long = (cfg.vae_long_batch, 3, cfg.vae_long_frames, *cfg.vae_long_size)
+    short = (cfg.vae_batch, 3, cfg.vae_frames, cfg.height, cfg.width)
+    assert set(shapes) == {long, short}
+    again = torch.Generator().manual_seed(0)
+    torch.testing.assert_close(train.vae_batch(cfg, again, torch.device("cpu")),
+                               train.vae_batch(cfg, torch.Generator().manual_seed(0), torch.device("cpu")))

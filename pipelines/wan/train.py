@@ -71,6 +71,13 @@ class VideoTrainConfig:
     vae_lr: float
     vae_kl: float
     vae_stat_clips: int  # clips whose latents give latents_mean / latents_std
+    # A share of the VAE steps sees long crops (`vae_long_frames` frames of a `vae_long_size` spatial window): with
+    # short crops only, the causal convolutions' caches never hold real content beyond two chunks, and full clips
+    # degrade after frame 9 (measured: 33 dB on 9-frame crops, 18 dB on 81-frame clips; docs/training.md).
+    vae_long_share: float
+    vae_long_frames: int
+    vae_long_size: tuple[int, int]
+    vae_long_batch: int
     # dit stage
     dit_clips: int  # clips rendered and encoded once, then sampled with replacement
     dit_steps: int
@@ -113,6 +120,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
         t5={**_T5, "d_model": 64, "d_ff": 256, "num_layers": 2},
         text_len=16,
         vae_steps=3000, vae_batch=32, vae_frames=9, vae_lr=1e-3, vae_kl=1e-6, vae_stat_clips=256,
+        vae_long_share=0.4, vae_long_frames=41, vae_long_size=(32, 48), vae_long_batch=8,
         dit_clips=8192, dit_steps=6000, dit_batch=32, dit_lr=5e-4, ema=0.999, empty_caption=0.1, framewise=0.25,
         shift=5.0,
         ode_clips=3072, ode_steps=48, guidance=2.0, distill_steps=3000, distill_batch=32, distill_lr=1e-4,
@@ -127,6 +135,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
         t5={**_T5, "d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 1, "relative_attention_num_buckets": 8},
         text_len=16,
         vae_steps=16, vae_batch=2, vae_frames=5, vae_lr=3e-3, vae_kl=1e-6, vae_stat_clips=4,
+        vae_long_share=0.5, vae_long_frames=13, vae_long_size=(16, 24), vae_long_batch=1,
         dit_clips=8, dit_steps=30, dit_batch=4, dit_lr=3e-3, ema=0.9, empty_caption=0.1, framewise=0.25, shift=5.0,
         ode_clips=4, ode_steps=4, guidance=2.0, distill_steps=20, distill_batch=4, distill_lr=1e-3, warmup=5,
         encode_batch=4, ode_batch=4,
@@ -281,13 +290,9 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
     vae = (_load_vae(init, device) if init else build_vae(cfg, seed).to(device)).train().requires_grad_(True)
     gen = torch.Generator().manual_seed(seed)
     noise_gen = torch.Generator(device=device).manual_seed(seed + 1)
-    crop = cfg.vae_frames
 
     def loss_fn(step: int) -> torch.Tensor:
-        seeds = training_seeds(gen, cfg.vae_batch)
-        video, _ = render_clips(seeds, cfg, device)
-        start = 4 * int(torch.randint(0, (cfg.frames - crop) // 4 + 1, (1,), generator=gen))
-        x = video[:, :, start:start + crop]
+        x = vae_batch(cfg, gen, device)
         posterior = vae.encode(x).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=noise_gen, device=device)
         rec = vae.decode(z).sample.float()
@@ -312,6 +317,23 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
                     height=cfg.height, width=cfg.width, device=device, batch=cfg.encode_batch)
     vae.to("cpu").save_pretrained(out / "vae")
     return {**stats, "held_out_psnr_db": round(psnr, 3)}
+
+
+def vae_batch(cfg: VideoTrainConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """One VAE training batch [B, 3, T, H, W] in [-1, 1]: with probability `vae_long_share`, `vae_long_batch` crops
+    of `vae_long_frames` frames and a `vae_long_size` window; else `vae_batch` full-size crops of `vae_frames`.
+    Crops start on a chunk boundary (frame 4k), as the encoder's causal chunks do."""
+    long = float(torch.rand(1, generator=gen)) < cfg.vae_long_share
+    batch, crop = (cfg.vae_long_batch, cfg.vae_long_frames) if long else (cfg.vae_batch, cfg.vae_frames)
+    video, _ = render_clips(training_seeds(gen, batch), cfg, device)
+    start = 4 * int(torch.randint(0, (cfg.frames - crop) // 4 + 1, (1,), generator=gen))
+    x = video[:, :, start:start + crop]
+    if long:
+        h, w = cfg.vae_long_size
+        top = int(torch.randint(0, (cfg.height - h) // 8 + 1, (1,), generator=gen)) * 8
+        left = int(torch.randint(0, (cfg.width - w) // 8 + 1, (1,), generator=gen)) * 8
+        x = x[..., top:top + h, left:left + w]
+    return x
 
 
 @torch.no_grad()
