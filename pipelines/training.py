@@ -191,9 +191,11 @@ def _stage_of(folder: Path, what: str) -> str | None:
     return json.loads(record.read_text()).get("stage")
 
 
-def start_stage(args, first_stage: str, previous: dict[str, str] | None = None) -> StageRun:
+def start_stage(args, first_stage: str, previous: dict[str, str] | None = None,
+                init_from: dict[str, tuple[str, ...]] | None = None) -> StageRun:
     """Check a stage's arguments before anything is written: a free --out, --from for every stage after
-    `first_stage` (of the stage `previous[stage]` when given), --init from the same stage; then create --out."""
+    `first_stage` (of the stage `previous[stage]` when given), --init from the same stage (or one of
+    `init_from[stage]`, stages whose output also holds this stage's weights); then create --out."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu (slow) or a GPU machine")
@@ -208,8 +210,10 @@ def start_stage(args, first_stage: str, previous: dict[str, str] | None = None) 
             raise ValueError(f"--from {source} is not the output of the {previous[args.stage]!r} stage, which "
                              f"--stage {args.stage} reads")
     init = Path(args.init) if args.init else None
-    if init is not None and _stage_of(init, "--init") != args.stage:
-        raise ValueError(f"--init {init} is the output of another stage; --init continues the same stage")
+    accepted = (init_from or {}).get(args.stage, (args.stage,))
+    if init is not None and _stage_of(init, "--init") not in accepted:
+        raise ValueError(f"--init {init} is the output of the {_stage_of(init, '--init')!r} stage; --stage "
+                         f"{args.stage} continues from the output of {' or '.join(repr(a) for a in accepted)}")
     out.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -226,7 +226,7 @@ def test_stage_order_and_folders_are_checked(stages, tmp_path):
         _run("sat", tmp_path / "x")
     with pytest.raises(ValueError, match="not the output of the 'sat' stage"):
         _run("aar", tmp_path / "y", root / "clap")
-    with pytest.raises(ValueError, match="another stage"):
+    with pytest.raises(ValueError, match="continues from the output of"):
         _run("aar", tmp_path / "z", root / "sat", init=root / "sat")
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()  # refused before writing anything
 

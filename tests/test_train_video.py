@@ -12,9 +12,10 @@ import torch
 from mmkv.pipelines.wan import train
 
 
-def _run(stage: str, out, source=None, steps=None, init=None, seed=0):
+def _run(stage: str, out, source=None, steps=None, init=None, seed=0, decoder_only=False):
     ns = argparse.Namespace(stage=stage, config="micro", source=str(source) if source else None, out=str(out),
-                            seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None)
+                            seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None,
+                            decoder_only=decoder_only)
     assert train.run(ns) == 0
     return json.loads((out / "train.json").read_text())
 
@@ -116,7 +117,7 @@ def test_init_continues_a_stage_from_its_weights_and_refuses_another_stage(stage
     # starting from the trained weights, the first loss is already near where the first run ended
     first_run = json.loads((root / "dit" / "train.json").read_text())["loss_curve"]
     assert more["loss_curve"][0][1] < first_run[0][1]
-    with pytest.raises(ValueError, match="another stage"):
+    with pytest.raises(ValueError, match="continues from the output of"):
         _run("dit", tmp_path / "dit3", root / "vae", steps=3, init=root / "vae")
 
 
@@ -200,3 +201,25 @@ def test_vae_batches_mix_short_full_size_crops_and_long_windowed_ones():
     again = torch.Generator().manual_seed(0)
     torch.testing.assert_close(train.vae_batch(cfg, again, torch.device("cpu")),
                                train.vae_batch(cfg, torch.Generator().manual_seed(0), torch.device("cpu")))
+
+
+def test_decoder_only_fine_tunes_the_decoder_of_a_release_and_keeps_its_latents(stages, tmp_path):
+    """--decoder-only from a dit output (its base/vae): the encoder and the latent statistics the DiT learned on
+    are unchanged, the decoder is not; without --init it is refused, and other stages refuse the flag."""
+    from diffusers import AutoencoderKLWan
+
+    root, *_ = stages
+    rec = _run("vae", tmp_path / "vae2", steps=3, init=root / "dit", decoder_only=True)
+    assert rec["decoder_only"] is True and rec["steps"] == 3
+    old = AutoencoderKLWan.from_pretrained(root / "dit" / "base" / "vae", local_files_only=True)
+    new = AutoencoderKLWan.from_pretrained(tmp_path / "vae2" / "vae", local_files_only=True)
+    assert new.config.latents_mean == old.config.latents_mean and new.config.latents_std == old.config.latents_std
+    o, n = old.state_dict(), new.state_dict()
+    enc = [k for k in o if k.startswith(("encoder.", "quant_conv."))]
+    dec = [k for k in o if k.startswith("decoder.")]
+    assert enc and all(torch.equal(o[k], n[k].to(o[k].dtype)) for k in enc)
+    assert any(not torch.equal(o[k], n[k].to(o[k].dtype)) for k in dec)
+    with pytest.raises(ValueError, match="give --init"):
+        _run("vae", tmp_path / "vae3", steps=2, decoder_only=True)
+    with pytest.raises(ValueError, match="--stage vae only"):
+        _run("dit", tmp_path / "dit4", root / "vae", steps=2, decoder_only=True)

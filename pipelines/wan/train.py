@@ -286,37 +286,57 @@ def block_timesteps(gen: torch.Generator, batch: int, num_frames: int, fpb: int,
 
 
 def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: int, budget_s: float | None,
-              init: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+              init: Path | None = None, decoder_only: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """With `decoder_only` (needs `init`) the encoder is frozen and its latent statistics kept, so a DiT trained on
+    the init's latents stays valid; the decoder learns from the posterior mean."""
+    if decoder_only and init is None:
+        raise ValueError("--decoder-only fine-tunes an existing VAE's decoder: give --init, a folder holding a VAE")
     vae = (_load_vae(init, device) if init else build_vae(cfg, seed).to(device)).train().requires_grad_(True)
+    if decoder_only:
+        vae.encoder.requires_grad_(False)
+        vae.quant_conv.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     noise_gen = torch.Generator(device=device).manual_seed(seed + 1)
 
     def loss_fn(step: int) -> torch.Tensor:
         x = vae_batch(cfg, gen, device)
+        if decoder_only:
+            with torch.no_grad():
+                z = vae.encode(x).latent_dist.mode()
+            rec = vae.decode(z).sample.float()
+            return F.l1_loss(rec, x) + F.mse_loss(rec, x)
         posterior = vae.encode(x).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=noise_gen, device=device)
         rec = vae.decode(z).sample.float()
         kl = posterior.kl().mean() / x[0].numel()
         return F.l1_loss(rec, x) + F.mse_loss(rec, x) + cfg.vae_kl * kl
 
-    stats = optimise(list(vae.parameters()), loss_fn, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=cfg.warmup,
-                      budget_s=budget_s, device=device, log=log, name="vae")
+    params = [p for p in vae.parameters() if p.requires_grad]
+    stats = optimise(params, loss_fn, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=cfg.warmup, budget_s=budget_s,
+                     device=device, log=log, name="vae")
     vae.eval()
-    # latents_mean / latents_std per channel over full training clips (the pipeline normalises with them).
-    zs = []
-    with torch.no_grad():
-        stat_gen = torch.Generator().manual_seed(seed + 2)
-        for i in range(0, cfg.vae_stat_clips, cfg.encode_batch):
-            video, _ = render_clips(training_seeds(stat_gen, min(cfg.encode_batch, cfg.vae_stat_clips - i)), cfg,
-                                    device)
-            zs.append(vae.encode(video).latent_dist.mode().float().transpose(0, 1).flatten(1).cpu())
-    z = torch.cat(zs, dim=1)
-    vae.register_to_config(latents_mean=[round(float(v), 6) for v in z.mean(1)],
-                           latents_std=[round(float(v), 6) for v in z.std(1)])
+    if not decoder_only:
+        set_latent_stats(vae, cfg, seed, device)
     psnr = vae_psnr(vae, scenes.held_out_seeds(16 if cfg.name != "micro" else 2), frames=cfg.frames,
                     height=cfg.height, width=cfg.width, device=device, batch=cfg.encode_batch)
     vae.to("cpu").save_pretrained(out / "vae")
-    return {**stats, "held_out_psnr_db": round(psnr, 3)}
+    return {**stats, "held_out_psnr_db": round(psnr, 3), "decoder_only": decoder_only}
+
+
+@torch.no_grad()
+def set_latent_stats(vae, cfg: VideoTrainConfig, seed: int, device: torch.device) -> None:
+    """latents_mean / latents_std per channel over full training clips, into the VAE's config (the pipeline
+    normalises latents with them)."""
+    zs = []
+    stat_gen = torch.Generator().manual_seed(seed + 2)
+    for i in range(0, cfg.vae_stat_clips, cfg.encode_batch):
+        video, _ = render_clips(training_seeds(stat_gen, min(cfg.encode_batch, cfg.vae_stat_clips - i)), cfg,
+                                device)
+        zs.append(vae.encode(video).latent_dist.mode().float().transpose(0, 1).flatten(1).cpu())
+    z = torch.cat(zs, dim=1)
+    vae.register_to_config(latents_mean=[round(float(v), 6) for v in z.mean(1)],
+                           latents_std=[round(float(v), 6) for v in z.std(1)])
 
 
 def vae_batch(cfg: VideoTrainConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -639,6 +659,9 @@ def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, STAGES, CONFIGS,
                         "the previous stage's output folder (dit: the vae stage's; distill: the dit stage's)")
+    parser.add_argument("--decoder-only", action="store_true",
+                        help="vae stage with --init: train the decoder only; the encoder and its latent statistics "
+                             "stay, so a DiT trained on its latents stays valid")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -646,10 +669,13 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides[{"vae": "vae_steps", "dit": "dit_steps", "distill": "distill_steps"}[args.stage]] = args.steps
     cfg = get_config(args.config, **overrides)
-    st = start_stage(args, first_stage="vae")
+    # A dit or distill output holds the VAE it was trained on (base/vae): the vae stage may continue from it.
+    st = start_stage(args, first_stage="vae", init_from={"vae": STAGES})
     common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
     if args.stage == "vae":
-        stats = train_vae(cfg, st.out, **common)
+        stats = train_vae(cfg, st.out, decoder_only=args.decoder_only, **common)
+    elif args.decoder_only:
+        raise ValueError("--decoder-only applies to --stage vae only")
     elif args.stage == "dit":
         stats = train_dit(cfg, st.source, st.out, **common)
     else:
