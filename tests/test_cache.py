@@ -802,7 +802,7 @@ def test_reuse_decoded_must_be_a_bool():
 def test_scratch_counts_the_decode_of_a_partly_evicted_span_even_with_kernels(monkeypatch):
     """With decode kernels the gather needs no per-segment temporary, except for a span the rolling window has partly
     evicted: it is decoded whole and its visible tokens copied, so that decode is scratch too."""
-    import mmkv.cache as cache_mod
+    import mmkv.cache.store as cache_mod
 
     def scratch(direct: bool) -> tuple[int, int]:
         if direct:  # what CUDA with kernels answers; attention itself still runs the reference here
