@@ -463,6 +463,32 @@ def test_simulated_peak_equals_the_real_rollouts_and_stays_flat_with_a_window(co
         assert peaks[1] == peaks[2]  # a rolling window: flat once it is full
 
 
+@pytest.mark.parametrize("codec", ["octopus:b=2", "qvg:centroids=2,block=16"])
+def test_the_planner_leaves_the_codecs_untouched(codec, monkeypatch):
+    """`simulate_peak_nbytes` measures bytes through `MeasuredCodec`, a wrapper: every codec its store builds keeps
+    the attributes it was built with, nothing is set on it from outside (no instance `encode`; only the codec's own
+    lazy caches may appear, filled by its real probe encodes), and the peak is still the real rollout's."""
+    import mmkv.cache.store as store_mod
+
+    real_build, built = store_mod.build, []
+
+    def recording_build(*args, **kwargs):
+        codec = real_build(*args, **kwargs)
+        built.append((codec, dict(vars(codec))))
+        return codec
+
+    monkeypatch.setattr(store_mod, "build", recording_build)
+    cfg = CacheConfig(codec=codec, value_group=VALUE_GROUP)
+    geometry = Geometry(L, H, D, UNIT, (3, 1, 2), batch=BATCH, dtype=torch.bfloat16)
+    peak = simulate_peak_nbytes(cfg, geometry)
+    assert len(built) == 2 * L
+    for c, attrs in built:
+        assert all(vars(c)[k] is v for k, v in attrs.items())
+        assert "encode" not in vars(c) and "decode" not in vars(c) and c.encode.__func__ is type(c).encode
+    monkeypatch.undo()
+    assert peak == _rollout_peak(cfg, (3, 1, 2), seed=5)
+
+
 def test_fit_attention_window_gives_each_codec_the_longest_window_in_the_budget():
     schedule = (3,) * 8
     geometry = Geometry(L, H, D, UNIT, schedule, batch=BATCH, dtype=torch.bfloat16)
