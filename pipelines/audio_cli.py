@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmkv.cache.flags import add_cache_arguments
 from mmkv.pipelines.common import (
     REFERENCE,
     CodecSpec,
@@ -88,19 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its caption, recorded for `mmkv report`")
     g.add_argument("--limit", type=int, metavar="N", help="only the first N clips (in sorted order)")
     g = parser.add_argument_group("codecs and cache")
-    g.add_argument("--codecs", action="append", metavar="PRESET[,PRESET...]",
-                   help="codec presets, e.g. identity,octopus:b=3,kivi:bits=2 (K/V pairs as KEY/VALUE)")
-    g.add_argument("--codec", action="append", metavar="PRESET", help="one codec preset (repeatable)")
-    g.add_argument("--residual-window", type=int, default=1, metavar="W",
-                   help="scales kept native, counting the current one (default 1: only the current scale)")
-    g.add_argument("--value-group", type=int, default=16, help="V group size of single-name presets (default 16)")
-    g.add_argument("--reuse-decoded", action="store_true",
-                   help="decode each compressed unit once per rollout and keep the decode (same outputs bit for bit, much faster, but the decodes are held beside the compressed cache, so memory is not saved; default: decode on every attention call into one layer's scratch)")
-    g.add_argument("--protected-layers", default="", metavar="I,J",
-                   help="comma-separated block indices whose cache stays native (negative counts from the end)")
-    g.add_argument("--codec-seed", type=int, default=0, help="codec seed (rotations); not the sampling seed")
-    g.add_argument("--attention", choices=("auto", "reference", "decode"), default="auto",
-                   help="attention over the compressed cache (see mmkv.attention)")
+    add_cache_arguments(g, ("--codecs", "--codec", "--residual-window", "--value-group", "--reuse-decoded",
+                            "--protected-layers", "--codec-seed", "--attention"),
+                        units="scales (the current one included)", value_group=16)
     g = parser.add_argument_group("sampling")
     g.add_argument("--seed", type=int, default=42, help="base sampling seed; each clip derives its own (default 42)")
     g.add_argument("--cfg", type=float, default=4.0, help="classifier-free guidance at the last scale (default 4)")
