@@ -228,21 +228,12 @@ def _make_store(ctx_args: argparse.Namespace, aar, spec: CodecSpec | None):
         codec=None if spec is None else spec.preset,
         value_group=ctx_args.value_group,
         residual_window=ctx_args.residual_window,
-        protected_layers=_parse_layers(ctx_args.protected_layers),
+        protected_layers=ctx_args.protected_layers,
         seed=ctx_args.codec_seed,
         attention=ctx_args.attention,
         reuse_decoded=ctx_args.reuse_decoded,
     )
     return KVStore(cfg, num_layers=aar.depth, num_heads=aar.num_heads, head_dim=aar.config.head_dim)
-
-
-def _parse_layers(text: str) -> tuple[int, ...]:
-    if not text or not text.strip():
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise RunError(f"--protected-layers {text!r}: expected comma-separated integers, e.g. 0,-1") from None
 
 
 def _effective_bits(stats: dict[str, Any]) -> float | None:
@@ -470,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
         "sampling": sampling.to_dict(),
         "residual_window": args.residual_window,
         "value_group": args.value_group,
-        "protected_layers": list(_parse_layers(args.protected_layers)),
+        "protected_layers": list(args.protected_layers),
         "codec_seed": args.codec_seed,
         "attention": args.attention,
         "codecs": [s.preset for s in specs],

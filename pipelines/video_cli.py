@@ -177,13 +177,6 @@ def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: 
     return plans
 
 
-def _protected_layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise RunError(f"--protected-layers must be comma-separated ints, got {text!r}") from None
-
-
 HASH_LABELS = {"ckpt_sha256": "--ckpt checkpoint", "base_sha256": "--base folder"}
 
 
@@ -230,7 +223,7 @@ def _check_mp4(tmp: Path, frames: int, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompts, prompts_sha, codecs = _validate(args)
-    protected = _protected_layers(args.protected_layers)
+    protected = args.protected_layers
     rank, world = rank_info()
     grid_shape = _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
     device = parse_device(args.device, rank)

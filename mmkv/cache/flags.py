@@ -15,6 +15,14 @@ _REUSE_HELP = (
     "into one layer's scratch)"
 )
 
+def layer_indices(text: str) -> tuple[int, ...]:
+    """`--protected-layers 0,-1` -> (0, -1); an empty value -> ()."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, e.g. 0,-1, got {text!r}") from None
+
+
 # flag -> its add_argument keywords, given the unit's name (plural) and the command's default V group size
 _FLAGS: dict[str, Callable[[str, int], dict[str, Any]]] = {
     "--codecs": lambda units, group: dict(
@@ -30,7 +38,7 @@ _FLAGS: dict[str, Callable[[str, int], dict[str, Any]]] = {
         type=int, default=group, help=f"V group size of single-name presets (default {group})"),
     "--reuse-decoded": lambda units, group: dict(action="store_true", help=_REUSE_HELP),
     "--protected-layers": lambda units, group: dict(
-        default="", metavar="I,J", help="layers whose cache stays native (comma-separated, negative from the end)"),
+        type=layer_indices, default="", metavar="I,J", help="layers whose cache stays native (comma-separated, negative from the end)"),
     "--protected-units": lambda units, group: dict(
         type=int, default=0, metavar="N", help=f"first N {units} of every rollout kept native"),
     "--window": lambda units, group: dict(
