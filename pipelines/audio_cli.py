@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmkv.cache.flags import add_cache_arguments
 from mmkv.pipelines.common import (
     REFERENCE,
     CodecSpec,
@@ -88,19 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its caption, recorded for `mmkv report`")
     g.add_argument("--limit", type=int, metavar="N", help="only the first N clips (in sorted order)")
     g = parser.add_argument_group("codecs and cache")
-    g.add_argument("--codecs", action="append", metavar="PRESET[,PRESET...]",
-                   help="codec presets, e.g. identity,octopus:b=3,kivi:bits=2 (K/V pairs as KEY/VALUE)")
-    g.add_argument("--codec", action="append", metavar="PRESET", help="one codec preset (repeatable)")
-    g.add_argument("--residual-window", type=int, default=1, metavar="W",
-                   help="scales kept native, counting the current one (default 1: only the current scale)")
-    g.add_argument("--value-group", type=int, default=16, help="V group size of single-name presets (default 16)")
-    g.add_argument("--reuse-decoded", action="store_true",
-                   help="decode each compressed unit once per rollout and keep the decode (same outputs bit for bit, much faster, but the decodes are held beside the compressed cache, so memory is not saved; default: decode on every attention call into one layer's scratch)")
-    g.add_argument("--protected-layers", default="", metavar="I,J",
-                   help="comma-separated block indices whose cache stays native (negative counts from the end)")
-    g.add_argument("--codec-seed", type=int, default=0, help="codec seed (rotations); not the sampling seed")
-    g.add_argument("--attention", choices=("auto", "reference", "decode"), default="auto",
-                   help="attention over the compressed cache (see mmkv.attention)")
+    add_cache_arguments(g, ("--codecs", "--codec", "--residual-window", "--value-group", "--reuse-decoded",
+                            "--protected-layers", "--codec-seed", "--attention"),
+                        units="scales (the current one included)", value_group=16)
     g = parser.add_argument_group("sampling")
     g.add_argument("--seed", type=int, default=42, help="base sampling seed; each clip derives its own (default 42)")
     g.add_argument("--cfg", type=float, default=4.0, help="classifier-free guidance at the last scale (default 4)")
@@ -237,21 +228,12 @@ def _make_store(ctx_args: argparse.Namespace, aar, spec: CodecSpec | None):
         codec=None if spec is None else spec.preset,
         value_group=ctx_args.value_group,
         residual_window=ctx_args.residual_window,
-        protected_layers=_parse_layers(ctx_args.protected_layers),
+        protected_layers=ctx_args.protected_layers,
         seed=ctx_args.codec_seed,
         attention=ctx_args.attention,
         reuse_decoded=ctx_args.reuse_decoded,
     )
     return KVStore(cfg, num_layers=aar.depth, num_heads=aar.num_heads, head_dim=aar.config.head_dim)
-
-
-def _parse_layers(text: str) -> tuple[int, ...]:
-    if not text or not text.strip():
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise RunError(f"--protected-layers {text!r}: expected comma-separated integers, e.g. 0,-1") from None
 
 
 def _effective_bits(stats: dict[str, Any]) -> float | None:
@@ -479,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
         "sampling": sampling.to_dict(),
         "residual_window": args.residual_window,
         "value_group": args.value_group,
-        "protected_layers": list(_parse_layers(args.protected_layers)),
+        "protected_layers": list(args.protected_layers),
         "codec_seed": args.codec_seed,
         "attention": args.attention,
         "codecs": [s.preset for s in specs],

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from mmkv.cache import KVCacheError
+from mmkv.cache.flags import add_cache_arguments
 from mmkv.pipelines.common import (
     REFERENCE, CodecSpec, NoiseStream, NonFiniteError, RunError, RunFolder, WriteError, atomic_path, atomic_save_npy,
     atomic_save_safetensors, check_out_dir, failure_record, item_name, nonfinite_outputs, parse_codec_list,
@@ -62,30 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="base Wan2.1-T2V-1.3B directory (original or diffusers layout): VAE, umT5, tokenizer")
     parser.add_argument("--prompts", required=True, metavar="FILE",
                         help="text file, one prompt per line (blank lines and # comments ignored)")
-    parser.add_argument("--codecs", action="append", default=[], metavar="LIST",
-                        help="comma-separated codec presets, e.g. 'octopus:b=3,kivi:bits=2,group=32' (repeatable)")
-    parser.add_argument("--codec", action="append", default=[], metavar="PRESET",
-                        help="one codec preset (repeatable); `K/V` names the key and value codecs explicitly")
-    parser.add_argument("--residual-window", type=int, default=1, metavar="N",
-                        help="newest latent frames kept native per layer (default 1)")
-    parser.add_argument("--value-group", type=int, default=32, help="V group size for paired value codecs")
-    parser.add_argument("--reuse-decoded", action="store_true",
-                        help="decode each compressed unit once per rollout and keep the decode (same outputs bit for bit, much faster, but the decodes are held beside the compressed cache, so memory is not saved; default: decode on every attention call into one layer's scratch)")
-    parser.add_argument("--protected-layers", default="", metavar="I,J",
-                        help="layers whose cache stays native (comma-separated, negative from the end)")
-    parser.add_argument("--protected-units", type=int, default=0, metavar="N",
-                        help="first N latent frames of every rollout kept native")
-    parser.add_argument("--window", type=int, default=None, metavar="W",
-                        help="rolling attention window in latent frames, Self-Forcing's local_attn_size: the block "
-                             "being generated and the sink frames included (default: global attention)")
-    parser.add_argument("--sink", type=int, default=0, metavar="S",
-                        help="first S latent frames never evicted by the rolling window (Self-Forcing sink_size); "
-                             "they are encoded like any frame unless --protected-units keeps them native")
+    add_cache_arguments(parser, ("--codecs", "--codec", "--residual-window", "--value-group", "--reuse-decoded",
+                                 "--protected-layers", "--protected-units", "--window", "--sink", "--codec-seed"),
+                        units="latent frames", value_group=32)
     parser.add_argument("--kv-budget", default=None, metavar="SIZE",
                         help="equal-memory mode: each codec gets the longest window whose measured peak KV bytes fit "
                              "SIZE (e.g. 2GiB, 512MiB; a bare number is GiB); the reference keeps --window")
     parser.add_argument("--seed", type=int, default=0, help="noise seed; prompt i draws from (seed, i)")
-    parser.add_argument("--codec-seed", type=int, default=0, help="seed of codec randomness (rotations)")
     parser.add_argument("--frames", type=int, default=81, help="pixel frames, 1 + 4k (default 81 = 21 latent)")
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
@@ -193,13 +177,6 @@ def _plan_windows(args: argparse.Namespace, codecs: list[CodecSpec], protected: 
     return plans
 
 
-def _protected_layers(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise RunError(f"--protected-layers must be comma-separated ints, got {text!r}") from None
-
-
 HASH_LABELS = {"ckpt_sha256": "--ckpt checkpoint", "base_sha256": "--base folder"}
 
 
@@ -246,7 +223,7 @@ def _check_mp4(tmp: Path, frames: int, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompts, prompts_sha, codecs = _validate(args)
-    protected = _protected_layers(args.protected_layers)
+    protected = args.protected_layers
     rank, world = rank_info()
     grid_shape = _check_shapes(args)  # a resolution the VAE cannot take fails before anything is loaded or written
     device = parse_device(args.device, rank)

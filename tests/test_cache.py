@@ -19,7 +19,7 @@ BATCH = 2  # like AAR's cond/uncond rows
 UNIT = 4  # tokens per unit
 VALUE_GROUP = 16
 # Every registered codec, at a preset sized for these 4-token units: a span codec amortises a per-span codebook over
-# the span (QVG's default 256 bf16 centres cost 256 * 16 / N bits a value, qvg.md §5.1), which 4-12-token test
+# the span (QVG's default 256 bf16 centres cost 256 * 16 / N bits a value), which 4-12-token test
 # spans cannot; its default preset is covered at realistic span lengths in test_codec_qvg.py.
 SMALL_SPAN_PRESETS = {"qvg": "qvg:centroids=2,block=16"}
 ALL_CODECS = [SMALL_SPAN_PRESETS.get(name, name) for name in codecs.names()]
@@ -312,7 +312,7 @@ def test_store_is_deterministic_and_leaves_global_rng_alone(codec):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Rolling window, sinks, span codecs (issue 7)
+# Rolling window, sinks, span codecs
 
 
 def test_rolling_window_keeps_sinks_and_newest_units():
@@ -366,7 +366,7 @@ def test_span_codec_encodes_each_commit_jointly(span_codec):
         k, v = rand(gen, UNIT * n), rand(gen, UNIT * n)
         store.append(0, k, v, n)
         appends.append((k, v, n))
-    # commits release units {0,1}, {2,3,4}, {5}, {6,7}: one span each (qvg.md §8.1 "commit span")
+    # commits release units {0,1}, {2,3,4}, {5}, {6,7}: one "commit span" each
     assert store.stats()["encode_calls_per_layer"][0] == 4
     assert [s.k_enc.shape[2] for s in store.segments(0) if s.encoded] == [2 * UNIT, 3 * UNIT, UNIT, 2 * UNIT]
     kc, vc, segs = _reference("test-span-mean", appends, 1, 0, 0)
@@ -409,7 +409,7 @@ def test_qvg_spans_keep_protected_units_native_and_never_straddle_sinks():
     assert torch.equal(segs[0].k, ks[0]) and torch.equal(segs[1].k, ks[1])
     spans = [(s.k_enc.shape[2] // UNIT, s.skip_tokens // UNIT) for s in segs if s.encoded]
     # the commit of units 2-4 split at the sink boundary: {2} (a sink, never evicted) and {3, 4}, whose unit 3 the
-    # window has since evicted (hidden, still held for unit 4, qvg.md §4.1); then the commit span {5, 6, 7}
+    # window has since evicted (hidden, still held for unit 4); then the commit span {5, 6, 7}
     assert spans == [(1, 0), (2, 1), (3, 0)] and store.encoded_units(0) == [2, 3, 4, 5, 6, 7]
     assert store.num_units(0) == 3 + 5 and torch.equal(store.past(0)[0][:, :, -UNIT:], ks[-1])
 
@@ -461,6 +461,32 @@ def test_simulated_peak_equals_the_real_rollouts_and_stays_flat_with_a_window(co
         assert peaks[0] < peaks[1] < peaks[2]  # a global cache grows with the rollout
     else:
         assert peaks[1] == peaks[2]  # a rolling window: flat once it is full
+
+
+@pytest.mark.parametrize("codec", ["octopus:b=2", "qvg:centroids=2,block=16"])
+def test_the_planner_leaves_the_codecs_untouched(codec, monkeypatch):
+    """`simulate_peak_nbytes` measures bytes through `MeasuredCodec`, a wrapper: every codec its store builds keeps
+    the attributes it was built with, nothing is set on it from outside (no instance `encode`; only the codec's own
+    lazy caches may appear, filled by its real probe encodes), and the peak is still the real rollout's."""
+    import mmkv.cache.store as store_mod
+
+    real_build, built = store_mod.build, []
+
+    def recording_build(*args, **kwargs):
+        codec = real_build(*args, **kwargs)
+        built.append((codec, dict(vars(codec))))
+        return codec
+
+    monkeypatch.setattr(store_mod, "build", recording_build)
+    cfg = CacheConfig(codec=codec, value_group=VALUE_GROUP)
+    geometry = Geometry(L, H, D, UNIT, (3, 1, 2), batch=BATCH, dtype=torch.bfloat16)
+    peak = simulate_peak_nbytes(cfg, geometry)
+    assert len(built) == 2 * L
+    for c, attrs in built:
+        assert all(vars(c)[k] is v for k, v in attrs.items())
+        assert "encode" not in vars(c) and "decode" not in vars(c) and c.encode.__func__ is type(c).encode
+    monkeypatch.undo()
+    assert peak == _rollout_peak(cfg, (3, 1, 2), seed=5)
 
 
 def test_fit_attention_window_gives_each_codec_the_longest_window_in_the_budget():
@@ -802,7 +828,7 @@ def test_reuse_decoded_must_be_a_bool():
 def test_scratch_counts_the_decode_of_a_partly_evicted_span_even_with_kernels(monkeypatch):
     """With decode kernels the gather needs no per-segment temporary, except for a span the rolling window has partly
     evicted: it is decoded whole and its visible tokens copied, so that decode is scratch too."""
-    import mmkv.cache as cache_mod
+    import mmkv.cache.store as cache_mod
 
     def scratch(direct: bool) -> tuple[int, int]:
         if direct:  # what CUDA with kernels answers; attention itself still runs the reference here

@@ -295,7 +295,7 @@ def test_dispatch_table(monkeypatch):
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """Codec.encode/decode and the store take the kernel path on CPU tensors (the interpreter), as on CUDA."""
-    import mmkv.cache as cache_mod
+    import mmkv.cache.store as cache_mod
     import mmkv.codecs.base as base_mod
 
     def lookup(codec, op, device):
@@ -399,7 +399,7 @@ def test_lagged_checks_raise_at_a_later_call_and_invalidate_the_rollout(kernels_
             s.append(0, k, v, num_units=2)
     assert lagged.nbytes() == eager.nbytes() and lagged.encoded_units(0) == eager.encoded_units(0) == [0, 1, 2, 3, 4]
     assert torch.equal(lagged.attend(0, q), eager.attend(0, q))
-    assert not lagged._pending  # read by that attend (on CPU a check is ready at once)
+    assert not lagged._checks._pending  # read by that attend (on CPU a check is ready at once)
 
     bad = x()
     bad[0, 1, 2, 3] = float("nan")  # unit 6, which leaves the window now
@@ -424,9 +424,9 @@ def test_lagged_encoder_check_names_the_codec_problem_at_check(kernels_on_cpu):
                 num_heads=2, head_dim=32)
     g = torch.Generator().manual_seed(9)
     s.append(0, torch.randn(1, 2, 24, 32, generator=g) * 1e6, torch.randn(1, 2, 24, 32, generator=g), num_units=3)
-    s._pending[0].event = _NotYet()  # as on a GPU still behind: a poll leaves it pending, check() waits for it
+    s._checks._pending[0].event = _NotYet()  # as on a GPU still behind: a poll leaves it pending, check() waits for it
     s.attend(0, torch.randn(1, 2, 8, 32, generator=g))
-    assert len(s._pending) == 1
+    assert len(s._checks._pending) == 1
     with pytest.raises(KVCacheError, match=r"units \[0, 1\] of layer 0.*overflow"):
         s.check()
 

@@ -15,6 +15,8 @@ import statistics
 import time
 from pathlib import Path
 
+from mmkv.cache.flags import add_cache_arguments
+
 DEFAULT_CODECS = "octopus:b=2;oscar:bits=2,group=32;turboquant-mse:b=2"
 
 
@@ -24,13 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"codec presets separated by ';' (presets contain commas; default {DEFAULT_CODECS!r})")
     parser.add_argument("--frames", default="21",
                         help="latent frames, or a comma list (e.g. 21,42 with --window: the peak stays flat)")
-    parser.add_argument("--window", type=int, default=None,
-                        help="rolling attention window in latent frames (default: global attention)")
-    parser.add_argument("--sink", type=int, default=0, help="sink frames kept by the rolling window (default 0)")
     parser.add_argument("--latent-size", default="60x104", help="latent HxW (default 60x104 = 480x832 pixels)")
-    parser.add_argument("--residual-window", type=int, default=1)
-    parser.add_argument("--reuse-decoded", action="store_true",
-                        help="decode each unit once per rollout (faster; the decodes are held, memory not saved)")
+    add_cache_arguments(parser, ("--window", "--sink", "--residual-window", "--reuse-decoded"), units="latent frames")
     parser.add_argument("--no-merge", action="store_true",
                         help="encode unit by unit (CacheConfig.merge_units=False), to time what merging saves")
     parser.add_argument("--repeats", type=int, default=3,
