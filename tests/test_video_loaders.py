@@ -176,3 +176,20 @@ def test_bad_base_directory(files, tmp_path):
     with pytest.raises(LoadError, match=r"config\.json is not valid JSON"):
         load_wan(files["causvid"], broken)
     assert Path(files["original"], "Wan2.1_VAE.pth").is_file()
+
+
+def test_tiny_checkpoint_writers_give_identical_bytes_for_the_same_model(tmp_path):
+    """The demo's assets are part of an identical run's identical bytes: the CausVid and Self-Forcing writers draw
+    their critic stand-ins from seeded generators, never the global RNG."""
+    import hashlib
+
+    from mmkv.pipelines.wan.tiny import write_causvid_checkpoint, write_self_forcing_checkpoint
+
+    transformer = tiny_transformer(seed=0)
+    for write in (write_causvid_checkpoint, write_self_forcing_checkpoint):
+        digests = set()
+        for i in range(2):
+            torch.manual_seed(i)  # a different global RNG state each time must not matter
+            path = write(transformer, tmp_path / f"{write.__name__}{i}" / "model.pt")
+            digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+        assert len(digests) == 1, write.__name__

@@ -129,12 +129,15 @@ def original_state_dict(transformer) -> dict[str, torch.Tensor]:
     return {dit_key_to_original(k): v.detach().clone() for k, v in transformer.state_dict().items()}
 
 
-def write_causvid_checkpoint(transformer, path: str | Path) -> Path:
-    """CausVid `model.pt`: {"generator": {"model." + key}, "critic": {...}} (video.md §5.3)."""
+def write_causvid_checkpoint(transformer, path: str | Path, *, seed: int = 0) -> Path:
+    """CausVid `model.pt`: {"generator": {"model." + key}, "critic": {...}} (CausVid `causvid/train_distillation.py`
+    saves both). The critic is a small seeded stand-in (the loader ignores it), so the same model writes the same
+    bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sd = original_state_dict(transformer)
-    critic = {"model." + k: torch.randn_like(v) for k, v in list(sd.items())[:3]}  # ignored by the loader
+    g = private_generator(seed, "tiny", "causvid-critic")
+    critic = {"model." + k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in list(sd.items())[:3]}
     torch.save({"generator": {"model." + k: v for k, v in sd.items()}, "critic": critic}, path)
     return path
 
@@ -317,7 +320,7 @@ def write_tiny_assets(root: str | Path, *, layout: str = "diffusers", seed: int 
     transformer = tiny_transformer(seed, kv_sensitive=kv_sensitive)
     return {
         "base": write_tiny_base(root / f"base_{layout}", layout, seed=seed),
-        "causvid": write_causvid_checkpoint(transformer, root / "causvid" / "model.pt").parent,
+        "causvid": write_causvid_checkpoint(transformer, root / "causvid" / "model.pt", seed=seed).parent,
         "causal_forcing": write_causal_forcing_checkpoint(transformer, root / "causal_forcing" / "framewise.pt"),
         "self_forcing": write_self_forcing_checkpoint(transformer, root / "self_forcing" / "self_forcing_dmd.pt",
                                                       seed=seed),
