@@ -66,3 +66,17 @@ def test_bad_config_values_name_what_is_allowed():
         CodecConfig.parse("qjl:nope=1")
     with pytest.raises(CodecError, match="unknown codec 'nosuch'"):
         build("nosuch", head_dim=64)
+
+
+def test_kernels_import_codecs_and_never_the_reverse():
+    """The kernel registry installs itself as the codecs' kernel lookup when `mmkv` is imported; no codec module
+    names the kernels."""
+    from pathlib import Path
+
+    import mmkv.codecs.base as base
+    from mmkv.kernels import dispatch
+
+    assert base._KERNEL_LOOKUP is dispatch.lookup
+    codecs_dir = Path(base.__file__).parent
+    offenders = [p.name for p in codecs_dir.glob("*.py") if "mmkv.kernels" in p.read_text(encoding="utf-8")]
+    assert not offenders

@@ -66,18 +66,25 @@ def check_out(codec: "Codec", enc: Encoded, dtype: torch.dtype, out: torch.Tenso
                          f"got {got}")
 
 
+# The kernel registry (kernels/dispatch.py, imported with the `mmkv` package) installs its `lookup(op, codec)`
+# here, so codecs never import kernels; without it every codec runs its torch reference.
+_KERNEL_LOOKUP: Callable | None = None
+
+
+def use_kernels(lookup: Callable | None) -> None:
+    """Install the kernel lookup `lookup(op, codec) -> callable | None` that `Codec.encode/decode` ask on CUDA."""
+    global _KERNEL_LOOKUP
+    _KERNEL_LOOKUP = lookup
+
+
 def _kernel(codec: "Codec", op: str, device: torch.device):
     """The Triton kernel for `op` ("encode"/"decode") of this codec on CUDA, else None (torch reference).
 
-    `mmkv.kernels.dispatch.lookup(op, codec)` decides (it also honours MMKV_KERNELS=0); CPU tensors never dispatch.
+    The installed lookup decides (it also honours MMKV_KERNELS=0); CPU tensors never dispatch.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or _KERNEL_LOOKUP is None:
         return None
-    try:
-        from mmkv.kernels import dispatch
-    except ImportError:
-        return None
-    return dispatch.lookup(op, codec)
+    return _KERNEL_LOOKUP(op, codec)
 
 
 class Codec:
