@@ -58,9 +58,7 @@ def reference_decode(codec, enc, dtype):
 def kernels_for(codec):
     from mmkv.kernels import dispatch
 
-    stem = dispatch.KERNELS[codec.name]
-    enc = __import__(f"mmkv.kernels.{stem}_encode", fromlist=["encode"])
-    dec = __import__(f"mmkv.kernels.{stem}_decode", fromlist=["decode"])
+    enc, dec = dispatch.module(codec.name, "encode"), dispatch.module(codec.name, "decode")
     if not enc.supports(codec):
         raise RuntimeError(f"no kernel covers {codec.config}")
     return enc.encode, dec.decode

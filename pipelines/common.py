@@ -37,7 +37,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from mmkv.codecs.base import CodecConfig, derive_seed, kv_configs
+from mmkv.codecs.config import CodecConfig, CodecError, split_preset_list
+from mmkv.codecs.registry import kv_configs
+from mmkv.codecs.seeds import derive_seed
 
 REFERENCE = "reference"  # variant name of the native (uncompressed) cache rollout
 
@@ -216,24 +218,12 @@ def read_prompts(path: str | os.PathLike, *, max_chars: int = 4000) -> list[str]
 # ----------------------------------------------------------------------------------------------------------------
 # Codec lists
 
-# A comma-separated token starts a new codec when it begins with a bare name followed by ':' or the end of the token
-# (`kivi:bits=2`, `identity`); tokens containing `key=value` first continue the previous preset (`group=32`).
-_NEW_CODEC = re.compile(r"^\s*[A-Za-z][\w.-]*\s*(:|$)")
-
-
 def split_codec_list(text: str) -> list[str]:
     """Split `kivi:bits=2,group=32,octopus:b=3,identity` into presets, keeping commas inside a preset."""
-    if not isinstance(text, str) or not text.strip():
-        raise RunError(f"empty codec list {text!r}; expected e.g. 'octopus:b=3,kivi:bits=2,group=32'")
-    presets: list[str] = []
-    for token in text.split(","):
-        if not token.strip():
-            raise RunError(f"empty entry in codec list {text!r} (two commas in a row or a trailing comma?)")
-        if _NEW_CODEC.match(token) or not presets:
-            presets.append(token.strip())
-        else:
-            presets[-1] += "," + token.strip()
-    return presets
+    try:
+        return split_preset_list(text)
+    except CodecError as err:
+        raise RunError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -252,9 +242,8 @@ class CodecSpec:
 
     @property
     def nominal_bits(self) -> float | None:
-        """Nominal bits from the K preset's `b`/`bits` parameter (None when it has none, e.g. identity)."""
-        bits = self.k.get("bits", self.k.get("b"))
-        return float(bits) if isinstance(bits, (int, float)) and not isinstance(bits, bool) else None
+        """Nominal bits of the K codec (None when it has none, e.g. identity)."""
+        return self.k.nominal_bits
 
 
 def parse_codec(preset: str, value_group: int) -> CodecSpec:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmkv.cache import CacheConfig, KVStore
-from mmkv.codecs.base import _REGISTRY, Codec, Encoded, register
+from mmkv.codecs import Codec, CodecConfig, Encoded, registered
 from mmkv.metrics.audio import SNR_CAP_DB, audio_metrics
 from mmkv.pipelines.aar.sample import (
     SamplingConfig,
@@ -36,9 +36,8 @@ def store_for(aar, codec, window: int = 1) -> KVStore:
 def zero_codec():
     """Decodes every stored scale to zeros (audio.md §11.6 "zero everything older"): must change the rollout."""
 
-    @register
     class ZeroPast(Codec):
-        name = "test-zero-past"
+        config_class = CodecConfig.named("test-zero-past")
 
         @classmethod
         def value_config(cls, config, group=32):
@@ -50,8 +49,8 @@ def zero_codec():
         def _decode(self, enc):
             return torch.zeros(enc.shape)
 
-    yield "test-zero-past"
-    del _REGISTRY["test-zero-past"]
+    with registered(ZeroPast):
+        yield "test-zero-past"
 
 
 def test_rollout_is_deterministic_given_the_seed(micro):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import mmkv.codecs as codecs
 from mmkv.cache import CacheConfig, Geometry, KVCacheError, KVStore, fit_attention_window, simulate_peak_nbytes
-from mmkv.codecs.base import _REGISTRY, Codec, Encoded, build, get_codec_class, kv_configs, register
+from mmkv.codecs import Codec, CodecConfig, Encoded, build, get_codec_class, kv_configs, registered
 
 L, H, D = 3, 2, 32
 BATCH = 2  # like AAR's cond/uncond rows
@@ -338,9 +338,8 @@ def span_codec():
     """A toy span codec (per-channel span mean in fp32 + bf16 residuals): its encoding of a unit depends on the
     other units of the span, like QVG's k-means."""
 
-    @register
     class SpanMean(Codec):
-        name = "test-span-mean"
+        config_class = CodecConfig.named("test-span-mean")
         span_codec = True
 
         @classmethod
@@ -354,8 +353,8 @@ def span_codec():
         def _decode(self, enc):
             return enc.tensors["res"].float() + enc.tensors["mean"]
 
-    yield SpanMean
-    del _REGISTRY["test-span-mean"]
+    with registered(SpanMean):
+        yield SpanMean
 
 
 def test_span_codec_encodes_each_commit_jointly(span_codec):

@@ -163,16 +163,16 @@ def test_mse_each_head_has_its_own_rotation():
 @pytest.mark.parametrize(
     "preset,match",
     [
-        ("turboquant-mse:b=0", "b=0"),
-        ("turboquant-mse:b=7", "b=7"),
-        ("turboquant-mse:b=2.5", "b=2.5"),
-        ("turboquant-mse:bits=x", "b='x'"),
+        ("turboquant-mse:b=0", "bits=0"),
+        ("turboquant-mse:b=7", "bits=7"),
+        ("turboquant-mse:b=2.5", "bits=2.5"),
+        ("turboquant-mse:bits=x", "bits='x'"),
         ("turboquant-mse:norm=8", "norm=8"),
         ("turboquant-mse:hi=-1", "hi=-1"),
         ("turboquant-mse:hi=129", "hi=129"),
         ("turboquant-mse:b=6,hi=1", "hi > 0"),
-        ("turboquant-prod:b=1", "b=1"),
-        ("turboquant-prod:b=7", "b=7"),
+        ("turboquant-prod:b=1", "bits=1"),
+        ("turboquant-prod:b=7", "bits=7"),
         ("turboquant-prod:norm=64", "norm=64"),
     ],
 )

@@ -32,8 +32,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py: compiled ker
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-STEMS = ["octopus", "octopus_qjl", "turboquant_mse", "turboquant_prod", "qjl", "polarquant", "groupquant", "kivi",
-         "oscar"]
+STEMS = ["octopus", "turboquant_mse", "turboquant_prod", "qjl", "polarquant", "groupquant", "kivi", "oscar"]
 ORDER = ["common", "packing", "rotation"] + [f"{s}_{op}" for s in STEMS for op in ("encode", "decode")] + ["dispatch"]
 
 
@@ -71,8 +70,7 @@ def reference_encode(codec, x):
 
 
 def kernel(codec, op):
-    stem = K["dispatch"].KERNELS[codec.name]
-    return getattr(K[f"{stem}_{op}"], op)
+    return getattr(K[K["dispatch"].KERNELS[codec.name][op]], op)
 
 
 def tag(codec) -> str:

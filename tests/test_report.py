@@ -27,9 +27,9 @@ SR = 24000
 # (preset, variant folder, nominal bits, noise sigma, KV×, effective bits): lower sigma = better codec
 PRESETS = [
     ("identity", "identity", None, 0.0, 1.0, 16.0),
-    ("turboquant:b=4", "turboquant_b4", 4, 8.0, 2.4, 4.6),
+    ("turboquant-mse:b=4", "turboquant_b4", 4, 8.0, 2.4, 4.6),
     ("octopus:b=4,joint=1,norm=32", "octopus_b4_joint1_norm32", 4, 3.0, 2.3, 4.8),
-    ("turboquant:b=2", "turboquant_b2", 2, 24.0, 3.2, 2.7),
+    ("turboquant-mse:b=2", "turboquant_b2", 2, 24.0, 3.2, 2.7),
     ("polarquant:b=2", "polarquant_b2", 2, 16.0, 3.3, 2.6),
     ("octopus:b=2,joint=1,norm=32", "octopus_b2_joint1_norm32", 2, 10.0, 3.1, 2.9),
 ]
@@ -168,14 +168,14 @@ def test_main_table_has_table3_shape_and_marks(video_run, audio_run):
     rows = {(r[t.index("bits")], r[t.index("codec")]): i for i, r in enumerate(t.rows)}
     # a row per (bits, codec), identity first, then bit widths descending, baselines before OCTOPUS
     assert [t.rows[i][0] for i in range(len(t.rows))] == [None, 4, 4, 2, 2, 2]
-    assert list(rows)[3:] == [(2, "TurboQuant"), (2, "PolarQuant"), (2, "OCTOPUS")]
+    assert list(rows)[3:] == [(2, "TurboQuant-MSE"), (2, "PolarQuant"), (2, "OCTOPUS")]
     marks = t.marks()
     for group in ("causvid", "aar"):
         first = "lpips" if group == "causvid" else "lsd_db"
         j = t.index(f"{group}/{first}/mean")
         assert marks[rows[(2, "OCTOPUS")]][j] == "best" and marks[rows[(2, "PolarQuant")]][j] == "second"
-        assert marks[rows[(2, "TurboQuant")]][j] is None
-        assert marks[rows[(4, "OCTOPUS")]][j] == "best" and marks[rows[(4, "TurboQuant")]][j] == "second"
+        assert marks[rows[(2, "TurboQuant-MSE")]][j] is None
+        assert marks[rows[(4, "OCTOPUS")]][j] == "best" and marks[rows[(4, "TurboQuant-MSE")]][j] == "second"
         assert t.rows[rows[(2, "OCTOPUS")]][t.index(f"{group}/kv_ratio")] == pytest.approx(3.1)
         assert t.rows[rows[(2, "OCTOPUS")]][t.index(f"{group}/effective_bits")] == pytest.approx(2.9)
     # min / mean / max are over items of the per-rollout values cached in metrics.json
@@ -207,7 +207,7 @@ def test_windowed_means_are_item_means_of_per_frame_means(video_run):
     _, measured, s = _summary([video_run])
     t = windows_table(s)
     octo = sorted((m for m in measured if m.test.variant == "turboquant_b2"), key=lambda m: m.test.item)
-    row = next(r for r in t.rows if r[t.index("preset")] == "turboquant:b=2")
+    row = next(r for r in t.rows if r[t.index("preset")] == "turboquant-mse:b=2")
     for label, sl in (("0–2 s", slice(0, 32)), ("2–5 s", slice(32, 36))):
         for metric in ("ssim", "lpips"):
             want = np.mean([np.mean(m.metrics["per_frame"][metric][sl]) for m in octo])
@@ -351,7 +351,7 @@ def _chromium():
 @pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (Debian: apt-get install -y chromium)")
 def test_gallery_renders_the_grid_in_chromium(tmp_path, seed, capsys):
     run = tmp_path / "run"
-    presets = [PRESETS[3], PRESETS[5]]  # TurboQuant b=2, OCTOPUS b=2
+    presets = [PRESETS[3], PRESETS[5]]  # TurboQuant-MSE b=2, OCTOPUS b=2
     make_run([(run, 0, 1)], seed=seed, n_items=2, frames=20, size=(48, 64), presets=presets, mp4=True,
              colours=COLOURS)
     out = tmp_path / "out"
@@ -470,7 +470,7 @@ def test_codecs_with_different_items_are_compared_over_the_items_all_have(tmp_pa
     rc, _, err = _report([run, "--format", "md,csv,json,latex,html", "--out", out, "--lpips", "off", "--device",
                           "cpu", "--no-plots", "--strict"], capsys)
     assert rc == 1
-    problem = ("causvid: codecs measured different items (n = 1, 1, 2): TurboQuant (b=2) lacks p0001; PolarQuant "
+    problem = ("causvid: codecs measured different items (n = 1, 1, 2): TurboQuant-MSE (b=2) lacks p0001; PolarQuant "
                "(b=2) lacks p0001; every statistic uses only the 1 item(s) all have (p0000)")
     assert problem in err and problem in (out / "problems.txt").read_text()
     octo = json.loads((run / "rollouts/p0000/octopus_b2_joint1_norm32/metrics.json").read_text())["summary"]

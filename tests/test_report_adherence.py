@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # Fixed held-out scenes, so the reference reads 100% every time (the detector is right on ~98% of scenes).
 SEEDS = (S.HELD_OUT_SEED_START, S.HELD_OUT_SEED_START + 1)
 STRIPES, COLOUR = "turboquant_b2", "polarquant_b2"
-PRESETS = [("turboquant:b=2", STRIPES, 2, 0.0, 3.2, 2.7), ("polarquant:b=2", COLOUR, 2, 0.0, 3.3, 2.6)]
+PRESETS = [("turboquant-mse:b=2", STRIPES, 2, 0.0, 3.2, 2.7), ("polarquant:b=2", COLOUR, 2, 0.0, 3.3, 2.6)]
 REPORT = ["--lpips", "off", "--device", "cpu", "--no-plots"]
 
 
@@ -74,28 +74,28 @@ def test_reference_and_codecs_are_scored_in_every_format(tmp_path, scenes, capsy
     out = outs[0]
 
     md = _md_rows((out / "table.md").read_text(), "Compressed-KV")
-    assert list(md) == ["reference", "TurboQuant", "PolarQuant"]  # the reference first, in a row of its own
+    assert list(md) == ["reference", "TurboQuant-MSE", "PolarQuant"]  # the reference first, in a row of its own
     assert md["reference"]["adherence↑ μ"] == "100%" and md["reference"]["consistency↑ μ"] == "100%"
     assert md["reference"]["PSNR↑ μ"] == "–" and md["reference"]["n"] == "2"
     assert md["PolarQuant"]["adherence↑ μ"] == "80%"  # colour wrong, shape, size, direction and speed right
-    assert md["TurboQuant"]["adherence↑ μ"] == "100%" and md["TurboQuant"]["consistency↑ μ"] == "33%"  # 2 of 6
+    assert md["TurboQuant-MSE"]["adherence↑ μ"] == "100%" and md["TurboQuant-MSE"]["consistency↑ μ"] == "33%"  # 2 of 6
 
     table = json.loads((out / "table.json").read_text())
     rows = {r["codec"]: r for r in table["rows"]}
     assert rows["reference"]["causvid/adherence/mean"] == 1.0 and rows["reference"]["causvid/psnr/mean"] is None
     assert rows["PolarQuant"]["causvid/adherence/max"] == pytest.approx(0.8)
     assert rows["PolarQuant"]["causvid/consistency/mean"] == 1.0
-    assert rows["TurboQuant"]["causvid/consistency/mean"] == pytest.approx(2 / 6)
+    assert rows["TurboQuant-MSE"]["causvid/consistency/mean"] == pytest.approx(2 / 6)
     assert "rank" not in rows["reference"]  # never marked best: it is not a codec
-    assert rows["TurboQuant"]["rank"]["causvid/adherence/mean"] == 1
+    assert rows["TurboQuant-MSE"]["rank"]["causvid/adherence/mean"] == 1
     assert any("adherence: the share of the caption's named attributes" in n for n in table["notes"])
 
     windows = {r["codec"]: r for r in json.loads((out / "windows.json").read_text())["rows"]}
     for block, want in (("block 2", 1.0), ("block 3", 1.0), ("block 4", 0.0), ("block 7", 0.0)):
-        assert windows["TurboQuant"][f"causvid/block_consistency/{block}"] == want, block
+        assert windows["TurboQuant-MSE"][f"causvid/block_consistency/{block}"] == want, block
         assert windows["reference"][f"causvid/block_consistency/{block}"] == 1.0
     assert windows["reference"]["causvid/block_background_psnr/block 5"] == 100.0  # the cap: unchanged
-    assert windows["TurboQuant"]["causvid/block_background_psnr/block 5"] < 30
+    assert windows["TurboQuant-MSE"]["causvid/block_background_psnr/block 5"] < 30
     assert "| block 4 |" not in (out / "windows.md").read_text()  # a column, not a row
     assert "consistency↑ block 4" in (out / "windows.md").read_text()
 

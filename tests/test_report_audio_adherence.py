@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # Held-out sounds the detector reads right: a sustained square Eb3 note (clip_a) and four clicks (clip_b).
 NOTE_SEED, CLICKS_SEED = 10_000_014, 10_000_003
 PITCH, CLICK = "turboquant_b2", "polarquant_b2"
-PRESETS = [("turboquant:b=2", PITCH, 2, 0.0, 3.2, 2.7), ("polarquant:b=2", CLICK, 2, 0.0, 3.3, 2.6)]
+PRESETS = [("turboquant-mse:b=2", PITCH, 2, 0.0, 3.2, 2.7), ("polarquant:b=2", CLICK, 2, 0.0, 3.3, 2.6)]
 REPORT = ["--lpips", "off", "--device", "cpu", "--no-plots"]
 
 
@@ -82,11 +82,11 @@ def test_reference_and_codecs_are_scored_in_every_format(tmp_path, sounds, capsy
     out = outs[0]
 
     md = _md_rows((out / "table.md").read_text())
-    assert list(md) == ["reference", "TurboQuant", "PolarQuant"]  # the reference first, in a row of its own
+    assert list(md) == ["reference", "TurboQuant-MSE", "PolarQuant"]  # the reference first, in a row of its own
     assert md["reference"]["adherence↑ μ"] == "100%" and md["reference"]["n"] == "2"
     assert md["reference"]["LSD↓ μ"] == md["reference"]["onsets≈↑ μ"] == md["reference"]["onset Δms↓ μ"] == "–"
-    assert md["TurboQuant"]["adherence↑ μ"] == "88%"  # the note's pitch wrong (3 of 4), the clicks right
-    assert md["TurboQuant"]["onsets≈↑ μ"] == "100%" and md["TurboQuant"]["onset Δms↓ μ"] == "0.0"
+    assert md["TurboQuant-MSE"]["adherence↑ μ"] == "88%"  # the note's pitch wrong (3 of 4), the clicks right
+    assert md["TurboQuant-MSE"]["onsets≈↑ μ"] == "100%" and md["TurboQuant-MSE"]["onset Δms↓ μ"] == "0.0"
     assert md["PolarQuant"]["adherence↑ μ"] == "75%"  # the click count wrong (1 of 2), the note right
     assert md["PolarQuant"]["onsets≈↑ μ"] == "88%"  # 3 of the 4 clicks, and the note's onset
     assert "LSD↓ μ" in md["PolarQuant"] and md["PolarQuant"]["LSD↓ μ"] != "–"
@@ -95,12 +95,12 @@ def test_reference_and_codecs_are_scored_in_every_format(tmp_path, sounds, capsy
     rows = {r["codec"]: r for r in table["rows"]}
     assert rows["reference"]["aar/adherence/mean"] == 1.0 and rows["reference"]["aar/lsd_db/mean"] is None
     assert rows["reference"]["aar/onset_match/mean"] is None
-    assert rows["TurboQuant"]["aar/adherence/min"] == 0.75 and rows["TurboQuant"]["aar/adherence/mean"] == 0.875
+    assert rows["TurboQuant-MSE"]["aar/adherence/min"] == 0.75 and rows["TurboQuant-MSE"]["aar/adherence/mean"] == 0.875
     assert rows["PolarQuant"]["aar/adherence/min"] == 0.5 and rows["PolarQuant"]["aar/onset_match/min"] == 0.75
     # The click left out is 160 ms from the nearest one left: the mean over the clips' reference onsets.
     assert rows["PolarQuant"]["aar/onset_error_ms/max"] == pytest.approx(160 / 4, abs=1.0)
     assert "rank" not in rows["reference"]  # never marked best: it is not a codec
-    assert rows["TurboQuant"]["rank"]["aar/adherence/mean"] == 1
+    assert rows["TurboQuant-MSE"]["rank"]["aar/adherence/mean"] == 1
     assert any(n.startswith("Audio adherence: the share of the caption's named attributes") for n in table["notes"])
 
     csv_rows = {r["codec"]: r for r in csv.DictReader(io.StringIO((out / "table.csv").read_text()))}
@@ -142,7 +142,7 @@ def test_clips_without_a_procedural_caption_get_no_adherence(tmp_path, sounds, c
     table = json.loads(out)["tables"][0]
     rows = {r["codec"]: r for r in table["rows"]}
     assert rows["reference"]["aar/n"] == 2 and rows["reference"]["aar/adherence/mean"] == 1.0
-    assert rows["TurboQuant"]["aar/adherence/mean"] == 0.75  # clip_b not counted as 0
+    assert rows["TurboQuant-MSE"]["aar/adherence/mean"] == 0.75  # clip_b not counted as 0
     assert ("aar: adherence and onset agreement are over the 1 item(s) whose prompt is a procedural caption "
             "(clip_a) only; the other 1 (clip_b) have no procedural caption and are not scored.") in table["notes"]
 

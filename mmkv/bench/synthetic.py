@@ -38,13 +38,17 @@ from typing import Any
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, build, derive_seed, get_codec_class, names
+from mmkv.codecs.base import Codec
+from mmkv.codecs.config import CodecConfig, CodecError
+from mmkv.codecs.encoded import Encoded
+from mmkv.codecs.registry import build, get_codec_class, names
+from mmkv.codecs.seeds import derive_seed
 
 # Codecs left out of the default run: the byte-exact baseline.
 EXCLUDED_BY_DEFAULT = ("identity",)
 
 # Preset templates per codec at nominal bits {b}; several templates give several rows (OCTOPUS with and without
-# joint rounding). A registered codec missing here runs with its bits parameter ('b' or 'bits') set to {b}.
+# joint rounding). A registered codec missing here runs with its `bits` parameter set to {b}.
 PRESETS: dict[str, tuple[str, ...]] = {
     "octopus": ("octopus:b={b},joint=0", "octopus:b={b},joint=1"),
     "octopus-qjl": ("octopus-qjl:b={b}",),
@@ -186,46 +190,31 @@ def measure_needle(config: CodecConfig | None, keys: torch.Tensor, queries: torc
 # Which configs
 
 
-def bits_key(codec_cls: type[Codec]) -> str | None:
-    for key in ("b", "bits"):
-        if key in codec_cls.defaults:
-            return key
-    return None
-
-
 def default_codecs() -> list[str]:
     """Every registered codec except the byte-exact baseline."""
     return [n for n in names() if n not in EXCLUDED_BY_DEFAULT]
 
 
-def configs_for(name_or_preset: str, bits: list[int]) -> list[tuple[int | None, CodecConfig]]:
-    """(nominal bits, config) rows for a codec name (expanded over `bits`) or one explicit preset."""
+def presets_for(name_or_preset: str, bits: list[int]) -> list[tuple[int | None, str]]:
+    """(nominal bits, preset) rows for a codec name (expanded over `bits`) or one explicit preset."""
     if ":" in name_or_preset:
-        cfg = CodecConfig.parse(name_or_preset)
-        key = bits_key(get_codec_class(cfg.name))
-        return [(cfg.get(key) if key else None, cfg)]
+        return [(CodecConfig.parse(name_or_preset).get("bits"), name_or_preset)]
     name = name_or_preset.strip().lower()
-    cls = get_codec_class(name)
     templates = PRESETS.get(name)
     if templates is None:
-        key = bits_key(cls)
-        if key is None:
-            return [(None, CodecConfig.parse(name))]
-        templates = (f"{name}:{key}={{b}}",)
-    return [(b, CodecConfig.parse(t.format(b=b))) for b in bits for t in templates]
+        if "bits" not in get_codec_class(name).config_class.field_names():
+            return [(None, name)]
+        templates = (f"{name}:bits={{b}}",)
+    return [(b, t.format(b=b)) for b in bits for t in templates]
 
 
-# OCTOPUS's per-coordinate direction and triplet-norm widths, read from octopus.py's parameter names.
 def octopus_sweep_configs(b: int) -> list[tuple[int, CodecConfig]]:
     """App. D: (b_dir, b_nrm) = (b + delta, b - delta), delta in -2..2, without joint rounding; widths the codec
     rejects (e.g. a 0-bit direction) are skipped."""
-    cls = get_codec_class("octopus")
-    dir_key, nrm_key = _octopus_width_keys(cls)
     out = []
     for delta in range(-2, 3):
-        preset = f"octopus:b={b},joint=0,{dir_key}={b + delta},{nrm_key}={b - delta}"
         try:
-            cfg = CodecConfig.parse(preset)
+            cfg = CodecConfig.parse(f"octopus:bits={b},joint=0,dir={b + delta},rho={b - delta}")
             build(cfg, head_dim=8, seed=0)
         except CodecError:
             continue
@@ -233,20 +222,11 @@ def octopus_sweep_configs(b: int) -> list[tuple[int, CodecConfig]]:
     return out
 
 
-def _octopus_width_keys(cls: type[Codec]) -> tuple[str, str]:
-    params = set(cls.defaults) | set(cls.aliases)
-    for d_key, n_key in (("dir", "rho"), ("b_dir", "b_nrm")):
-        if d_key in params and n_key in params:
-            return d_key, n_key
-    raise CodecError(f"octopus has no direction/norm bit parameters I know of; its parameters: {sorted(params)}")
-
-
 def canonical(cfg: CodecConfig) -> str:
     """A config string with OCTOPUS's "auto" widths resolved, so a sweep point equal to a default row is measured once."""
-    if cfg.name in ("octopus", "octopus-qjl") and isinstance(cfg.get("b"), int):
-        b = cfg["b"]
-        cfg = cfg.replace(dir=b + 1 if cfg.get("dir") == "auto" else cfg.get("dir"),
-                          rho=b - 1 if cfg.get("rho") == "auto" else cfg.get("rho"))
+    if cfg.name in ("octopus", "octopus-qjl"):
+        cfg = cfg.replace(dir=cfg.bits + 1 if cfg.dir == "auto" else cfg.dir,
+                          rho=cfg.bits - 1 if cfg.rho == "auto" else cfg.rho)
     return str(cfg)
 
 
@@ -266,7 +246,7 @@ def iso_rate_config(target_bits: float, p: Protocol) -> CodecConfig:
         hi = int(round((target_bits - e0) * p.dim))
         for h in sorted({min(max(hi + j, 0), p.dim) for j in (-1, 0, 1)}):
             try:
-                cfg = CodecConfig.parse(f"turboquant-mse:b={b},hi={h}")
+                cfg = CodecConfig.parse(f"turboquant-mse:bits={b},hi={h}")
                 eff = build(cfg, head_dim=p.dim).encode(probe).effective_bits
             except CodecError:
                 continue
@@ -308,23 +288,23 @@ def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: boo
     # Resolve every config before drawing data, so a bad name or preset fails at once.
     tasks: list[tuple[str, CodecConfig, int | None, bool, dict]] = []  # (section, config, bits, needle, extra)
     for name in codecs:
-        for b, cfg in configs_for(name, bits):
+        for b, preset in presets_for(name, bits):
             try:
+                cfg = CodecConfig.parse(preset)
                 build(cfg, head_dim=p.dim)
             except CodecError as err:
                 if ":" in name:  # an explicit preset is the user's: no silent skip
                     raise
-                notes.append(f"skipped {cfg} at d={p.dim}: {err}")
+                notes.append(f"skipped {preset} at d={p.dim}: {err}")
                 log(f"  {notes[-1]}")
                 continue
             tasks.append(("table1", cfg, b, needle, {}))
-    octopus_points = [(b, cfg) for sec, cfg, b, _, _ in tasks if cfg.name == "octopus" and not cfg.get("joint", 1)]
+    octopus_points = [(b, cfg) for sec, cfg, b, _, _ in tasks if cfg.name == "octopus" and not cfg.joint]
     if sweep and "octopus" in names():
-        d_key, n_key = _octopus_width_keys(get_codec_class("octopus"))
         for b in bits:
             for delta, cfg in octopus_sweep_configs(b):
                 # App. D is an MSE landscape: reconstruction only, no needle.
-                tasks.append(("sweep", cfg, b, False, {"delta": delta, "b_dir": cfg.get(d_key), "b_nrm": cfg.get(n_key)}))
+                tasks.append(("sweep", cfg, b, False, {"delta": delta, "b_dir": cfg.dir, "b_nrm": cfg.rho}))
     if iso_rate and "turboquant-mse" in names():
         for b, ocfg in octopus_points:
             tasks.append(("iso-rate", iso_rate_config(probe_bits(ocfg, p), p), b, needle, {"matches": str(ocfg)}))

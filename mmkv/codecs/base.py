@@ -1,8 +1,8 @@
-"""The codec protocol, typed configs parsed from preset strings, and the registry.
+"""The codec protocol: `Codec`, the class every codec subclasses, and the checks it shares.
 
 A codec turns `x[..., T, D]` (keys or values of one layer) into an `Encoded` bundle of real packed tensors and back.
-`nbytes` counts every stored byte, so effective bits are measured, never nominal. Codecs are built from a frozen
-`CodecConfig`, parsed from strings such as `octopus:b=3` or `kivi:bits=2,group=32`.
+`nbytes` counts every stored byte, so effective bits are measured, never nominal. A codec is built from its frozen
+config (`mmkv.codecs.config`), parsed from strings such as `octopus:b=3` or `kivi:bits=2,group=32`.
 
 Layout convention: when a codec is built with `num_heads > 1`, dim -3 of its input is the (KV) head axis, so per-head
 state (rotation signs) and per-token cross-head statistics (OScaR's omni-token norm) are well defined.
@@ -10,304 +10,16 @@ state (rotation signs) and per-token cross-head statistics (OScaR's omni-token n
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import math
-from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, Callable, ClassVar
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-class CodecError(ValueError):
-    """Bad input to a codec or a bad codec configuration; the message says what was expected."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Config
-
-
-def _parse_value(text: str) -> Any:
-    text = text.strip()
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-@dataclass(frozen=True)
-class CodecConfig:
-    """A codec name plus its parameters, hashable and printable as a canonical preset string."""
-
-    name: str
-    params: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def parse(cls, preset: "str | CodecConfig") -> "CodecConfig":
-        """Parse `name[:key=value,key=value]`, resolve aliases and fill defaults from the registered codec."""
-        if isinstance(preset, CodecConfig):
-            return preset
-        if not isinstance(preset, str) or not preset.strip():
-            raise CodecError(f"empty codec preset {preset!r}; expected e.g. 'octopus:b=3' (known: {', '.join(names())})")
-        name, _, rest = preset.strip().partition(":")
-        name = name.strip().lower()
-        codec_cls = get_codec_class(name)
-        raw: dict[str, Any] = {}
-        if rest.strip():
-            for item in rest.split(","):
-                key, eq, value = item.partition("=")
-                key = key.strip().lower()
-                if not eq or not key or not value.strip():
-                    raise CodecError(f"malformed parameter {item!r} in codec preset {preset!r}; expected key=value")
-                key = codec_cls.aliases.get(key, key)
-                if key not in codec_cls.defaults:
-                    allowed = sorted(set(codec_cls.defaults) | set(codec_cls.aliases))
-                    raise CodecError(f"codec {name!r} has no parameter {key!r} (in {preset!r}); allowed: {allowed}")
-                if key in raw:
-                    raise CodecError(f"parameter {key!r} given twice in codec preset {preset!r}")
-                raw[key] = _parse_value(value)
-        params = dict(codec_cls.defaults)
-        params.update(raw)
-        return cls(name=name, params=tuple(sorted(params.items())))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        for k, v in self.params:
-            if k == key:
-                return v
-        return default
-
-    def __getitem__(self, key: str) -> Any:
-        for k, v in self.params:
-            if k == key:
-                return v
-        raise KeyError(key)
-
-    def replace(self, **changes: Any) -> "CodecConfig":
-        params = dict(self.params)
-        params.update(changes)
-        return CodecConfig(self.name, tuple(sorted(params.items())))
-
-    def __str__(self) -> str:
-        if not self.params:
-            return self.name
-        return self.name + ":" + ",".join(f"{k}={_fmt(v)}" for k, v in self.params)
-
-    @property
-    def slug(self) -> str:
-        """Filesystem-safe name, e.g. `octopus_b3_joint1_norm32`."""
-        parts = [self.name.replace("-", "")] + [f"{k}{_fmt(v)}" for k, v in self.params]
-        return "_".join(parts).replace(".", "p")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "params": dict(self.params), "preset": str(self)}
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Encoded bundle
-
-
-@dataclass
-class Encoded:
-    """What a codec stores for one span of vectors: packed payload and side information, all real tensors.
-
-    `tensors` holds every stored tensor (and only those); `meta` holds small Python facts needed to decode (original
-    shape, dtype, token count), which a real cache keeps once per layer rather than per unit.
-    """
-
-    codec: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def effective_bits(self) -> float:
-        """Stored bits per encoded value, measured from the bytes really held."""
-        return 8.0 * self.nbytes / max(self.numel, 1)
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.tensors.values())).device
-
-    def to(self, device: torch.device | str) -> "Encoded":
-        return dataclasses.replace(self, tensors={k: t.to(device) for k, t in self.tensors.items()})
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Seeds
-
-
-def derive_seed(seed: int, *keys: Any) -> int:
-    """A 63-bit seed derived from `seed` and any keys (stable across processes, platforms and Python versions)."""
-    text = repr((int(seed),) + tuple(keys)).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def private_generator(seed: int, *keys: Any) -> torch.Generator:
-    """A CPU generator that never touches the global RNG stream."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(derive_seed(seed, *keys))
-    return g
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Codec base class and registry
-
-_REGISTRY: dict[str, type["Codec"]] = {}
-
-
-def register(cls: type["Codec"]) -> type["Codec"]:
-    """Class decorator: make a codec available by its `name`."""
-    if not getattr(cls, "name", None):
-        raise TypeError(f"{cls.__name__} has no codec name")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_builtin() -> None:
-    # Importing the package registers every built-in codec.
-    import mmkv.codecs  # noqa: F401
-
-
-def get_codec_class(name: str) -> type["Codec"]:
-    _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(names())}") from None
-
-
-def names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def build(
-    config: "str | CodecConfig",
-    *,
-    head_dim: int,
-    num_heads: int = 1,
-    layer: int = 0,
-    seed: int = 0,
-) -> "Codec":
-    """Build a codec instance for one layer (and its `num_heads` KV heads) from a preset or config."""
-    cfg = CodecConfig.parse(config)
-    return get_codec_class(cfg.name)(cfg, head_dim=head_dim, num_heads=num_heads, layer=layer, seed=seed)
-
-
-_LAYOUTS: dict[tuple, dict[str, tuple[int, Fraction]]] = {}
-
-
-def token_layout(codec: "Codec", lead: int) -> dict[str, tuple[int, Fraction]]:
-    """For each tensor a token-local codec stores, (the axis that grows with the token count, entries per token),
-    found once per codec and leading rank by encoding two probe lengths on the CPU (shapes never depend on values).
-    Fields with a fixed part (not proportional to the token count) are left out: they cannot be concatenated.
-    Kept per (codec class, config, head_dim, num_heads, lead), not per instance: a store builds its codecs afresh for
-    each rollout, and the probes (the torch reference encode) cost up to 14 ms a codec (OCTOPUS), 0.5 s per rollout
-    of a 30-layer model."""
-    key = (type(codec), str(codec.config), codec.head_dim, codec.num_heads, lead)
-    if key in _LAYOUTS:
-        return _LAYOUTS[key]
-    g = torch.Generator().manual_seed(0)
-    heads = [codec.num_heads] if lead >= 1 and codec.num_heads > 1 else [1] * min(lead, 1)
-    dims = [1] * (lead - len(heads)) + heads
-    probes = []
-    for t in (16, 32):
-        # the class's encode, not an instance attribute (tests and simulate_peak_nbytes wrap that to count units)
-        enc = type(codec).encode(codec, torch.randn(*dims, t, codec.head_dim, generator=g))
-        probes.append({k: tuple(v.shape) for k, v in enc.tensors.items()})
-    layout = {}
-    for k, s1 in probes[0].items():
-        s2 = probes[1][k]
-        diff = [i for i, (a, b) in enumerate(zip(s1, s2)) if a != b]
-        if len(diff) == 1:
-            rate = Fraction(s2[diff[0]] - s1[diff[0]], 16)
-            if rate * 16 == s1[diff[0]]:  # proportional: no fixed part
-                layout[k] = (diff[0], rate)
-    _LAYOUTS[key] = layout
-    return layout
-
-
-def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
-    """One encoding of the concatenated tokens of `encs` (consecutive encodings of a token-local codec, same leading
-    dims), built by concatenating the stored tensors, or None when that would not be exact: a field whose size is not
-    proportional to its tokens (a packed row padded to a byte), differing metadata, or a codec that is not
-    token-local. Decoding it equals concatenating the decodes, bit for bit."""
-    if not getattr(codec, "token_local", False) or len(encs) < 2:
-        return None
-    first = encs[0]
-    lead = len(first.shape) - 2
-    if any(tuple(e.shape[:-2]) != tuple(first.shape[:-2]) or e.meta != first.meta or e.codec != first.codec
-           or list(e.tensors) != list(first.tensors) for e in encs):
-        return None
-    layout = token_layout(codec, lead)
-    if set(layout) != set(first.tensors):
-        return None
-    for e in encs:
-        t = e.shape[-2]
-        for k, (axis, rate) in layout.items():
-            if rate * t != e.tensors[k].shape[axis]:
-                return None
-    tensors = {k: torch.cat([e.tensors[k] for e in encs], dim=layout[k][0]) for k in first.tensors}
-    shape = (*first.shape[:-2], sum(e.shape[-2] for e in encs), first.shape[-1])
-    return Encoded(first.codec, shape, first.dtype, tensors, dict(first.meta))
-
-
-def stack_units(encs: list[Encoded]) -> Encoded | None:
-    """One encoding of equal-length units stacked on a new axis after the batch axis: each of `encs` is one unit's
-    [B, H, T, D] encoding or an earlier stack [B, n, H, T, D]; the result is [B, sum n, H, T, D], every stored tensor
-    stacked (or concatenated) the same way on its axis 1. For codecs whose leading dims are independent rows (KIVI
-    and OScaR, whose keys group over tokens and so cannot be joined along the token axis): decoding the stack
-    decodes each unit as it would alone. None when the units' layouts differ (shapes, dtypes, metadata)."""
-    if len(encs) < 2:
-        return None
-    unit = lambda e: tuple(e.shape) if len(e.shape) == 4 else (e.shape[0], *e.shape[2:])  # noqa: E731
-    first = encs[0]
-    if len(first.shape) not in (4, 5):
-        return None
-    fields = {k: (t.dtype, t.shape if len(first.shape) == 4 else t.shape[:1] + t.shape[2:])
-              for k, t in first.tensors.items()}
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in fields}
-    units = 0
-    for e in encs:
-        if len(e.shape) not in (4, 5) or unit(e) != unit(first) or e.codec != first.codec or e.dtype != first.dtype \
-                or e.meta != first.meta or set(e.tensors) != set(fields):
-            return None
-        for k, t in e.tensors.items():
-            per = t.shape if len(e.shape) == 4 else t.shape[:1] + t.shape[2:]
-            if (t.dtype, per) != fields[k] or t.dim() < 1:
-                return None
-            parts[k].append(t.unsqueeze(1) if len(e.shape) == 4 else t)
-        units += 1 if len(e.shape) == 4 else e.shape[1]
-    tensors = {k: torch.cat(ts, dim=1) for k, ts in parts.items()}
-    b, h, t, d = unit(first)
-    return Encoded(first.codec, (b, units, h, t, d), first.dtype, tensors, dict(first.meta))
+from mmkv.codecs.config import CodecConfig, CodecError
+from mmkv.codecs.encoded import FLOAT_DTYPES, Encoded
+# Re-exported: the cache and older callers import these from here.
+from mmkv.codecs.registry import build, get_codec_class, kv_configs, names, register  # noqa: F401
+from mmkv.codecs.seeds import derive_seed, private_generator  # noqa: F401
+from mmkv.codecs.segments import concat_tokens, stack_units, token_layout  # noqa: F401
 
 
 # Device copies shared by codec instances whose tables are equal (the same codec, layer and seed in the next store
@@ -354,26 +66,33 @@ def check_out(codec: "Codec", enc: Encoded, dtype: torch.dtype, out: torch.Tenso
                          f"got {got}")
 
 
+# The kernel registry (kernels/dispatch.py, imported with the `mmkv` package) installs its `lookup(op, codec)`
+# here, so codecs never import kernels; without it every codec runs its torch reference.
+_KERNEL_LOOKUP: Callable | None = None
+
+
+def use_kernels(lookup: Callable | None) -> None:
+    """Install the kernel lookup `lookup(op, codec) -> callable | None` that `Codec.encode/decode` ask on CUDA."""
+    global _KERNEL_LOOKUP
+    _KERNEL_LOOKUP = lookup
+
+
 def _kernel(codec: "Codec", op: str, device: torch.device):
     """The Triton kernel for `op` ("encode"/"decode") of this codec on CUDA, else None (torch reference).
 
-    `mmkv.kernels.dispatch.lookup(op, codec)` decides (it also honours MMKV_KERNELS=0); CPU tensors never dispatch.
+    The installed lookup decides (it also honours MMKV_KERNELS=0); CPU tensors never dispatch.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or _KERNEL_LOOKUP is None:
         return None
-    try:
-        from mmkv.kernels import dispatch
-    except ImportError:
-        return None
-    return dispatch.lookup(op, codec)
+    return _KERNEL_LOOKUP(op, codec)
 
 
 class Codec:
     """One codec for one layer's K or V. Subclasses implement `_encode` and `_decode` (the torch reference)."""
 
-    name: ClassVar[str] = ""
-    defaults: ClassVar[dict[str, Any]] = {}
-    aliases: ClassVar[dict[str, str]] = {}
+    config_class: ClassVar[type[CodecConfig]] = CodecConfig  # its parameters; the codec's name is the config's
+    name: ClassVar[str] = ""  # set from config_class
+    display_name: ClassVar[str] = ""  # as tables print it (`OCTOPUS`); the name when not given
     requires_pow2: ClassVar[bool] = False
     has_scores: ClassVar[bool] = False  # True when the paper defines its own score estimator (QJL family)
     # Codecs whose encoding of a unit depends on other units (QVG) set this; the store then encodes spans jointly.
@@ -384,6 +103,12 @@ class Codec:
     # True when the leading dims of an encoding are independent rows whose decode does not depend on how many there
     # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`).
     stackable: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.config_class.name
+        if "display_name" not in cls.__dict__:
+            cls.display_name = cls.name
 
     def __init__(self, config: CodecConfig, *, head_dim: int, num_heads: int = 1, layer: int = 0, seed: int = 0):
         if config.name != self.name:
@@ -469,9 +194,9 @@ class Codec:
     @classmethod
     def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
         """The V codec this (key) codec pairs with: by default per-token groups of `group` channels, asymmetric
-        min-max at the key's nominal bits (codecs.md A9). Codecs with their own V recipe (KIVI, OScaR) override."""
-        bits = config.get("bits", config.get("b", 4))
-        return CodecConfig.parse(f"groupquant:bits={int(round(float(bits)))},group={group}")
+        min-max at the key's nominal bits. Codecs with their own V recipe (KIVI, OScaR) override."""
+        bits = config.nominal_bits
+        return CodecConfig.parse(f"groupquant:bits={int(round(4.0 if bits is None else bits))},group={group}")
 
     def check_input(self, x: torch.Tensor, finite: bool = True) -> None:
         where = f"codec {self.config} (layer {self.layer})"
@@ -492,32 +217,5 @@ class Codec:
             bad = int((~torch.isfinite(x)).sum())
             raise CodecError(f"{where}: input has {bad} NaN/Inf values of {x.numel()}; refusing to encode them")
 
-    def check_bits(self, bits: Any, allowed: tuple[int, ...], key: str = "bits") -> int:
-        if not isinstance(bits, int) or isinstance(bits, bool) or bits not in allowed:
-            raise CodecError(f"codec {self.name!r}: unsupported {key}={bits!r}; supported: {list(allowed)}")
-        return bits
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config}, head_dim={self.head_dim}, num_heads={self.num_heads})"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# K/V pairing
-
-
-def kv_configs(preset: "str | CodecConfig", value_group: int = 32) -> tuple[CodecConfig, CodecConfig]:
-    """The (K, V) codec configs a rollout preset stands for.
-
-    `KEY/VALUE` names both explicitly (`octopus:b=2/groupquant:bits=2,group=16`); a single preset names the key codec
-    and the value codec it pairs with in its paper's recipe (`Codec.value_config`), with `value_group` channels per
-    value group (32 for video, 16 for audio, per the OCTOPUS seed).
-    """
-    if isinstance(preset, CodecConfig):
-        k = preset
-        return k, get_codec_class(k.name).value_config(k, value_group)
-    text = preset.strip()
-    if "/" in text:
-        k_text, _, v_text = text.partition("/")
-        return CodecConfig.parse(k_text), CodecConfig.parse(v_text)
-    k = CodecConfig.parse(text)
-    return k, get_codec_class(k.name).value_config(k, value_group)

@@ -43,8 +43,10 @@ def codebook_family(name: str, keys: list[str]):
 
 
 def _families() -> dict[str, tuple[list[str], Callable[[str], list[float]]]]:
-    import mmkv.codecs  # noqa: F401  (registers every family)
+    from mmkv.codecs.registry import get_codec_class, names
 
+    for name in names():  # importing a codec module registers its families
+        get_codec_class(name)
     return _FAMILIES
 
 

@@ -13,9 +13,13 @@ leading index (`mmkv.codecs.packing`), token-major: code (t, j) sits at bits [(t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from mmkv.codecs.base import Codec, CodecError, Encoded, register
+from mmkv.codecs.base import Codec, CodecError, Encoded
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.packing import pack_bits, unpack_bits
 
 META_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
@@ -148,45 +152,51 @@ def decode_minmax(
     return dequantize_groups(codes.transpose(-1, -2), tensors["scale"], tensors["offset"], group).transpose(-1, -2)
 
 
-def check_group(codec: Codec, group) -> int:
-    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
-        raise CodecError(f"codec {codec.name!r}: group must be a positive int (e.g. 16 or 32), got {group!r}")
-    return group
+@dataclass(frozen=True)
+class GroupQuantConfig(CodecConfig):
+    """bits per value, `group` channels a group, `meta` the dtype of the stored scale and minimum."""
+
+    name: ClassVar[str] = "groupquant"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits", "g": "group"}
+    allowed_bits: ClassVar[tuple[int, ...]] = tuple(range(1, 9))
+    bits: int = 2
+    group: int = 32
+    meta: str = "fp16"
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", self.allowed_bits)
+        if not isinstance(self.group, int) or isinstance(self.group, bool) or self.group < 1:
+            self.fail(f"group must be a positive int (e.g. 16 or 32), got {self.group!r}")
+        if self.meta not in META_DTYPES:
+            self.fail(f"meta must be one of {sorted(META_DTYPES)}, got {self.meta!r}")
 
 
-def check_meta(codec: Codec, meta) -> torch.dtype:
-    if meta not in META_DTYPES:
-        raise CodecError(f"codec {codec.name!r}: meta must be one of {sorted(META_DTYPES)}, got {meta!r}")
-    return META_DTYPES[meta]
-
-
-# KIVI's split, which OScaR keeps (oscar.md §3): keys in per-channel groups of tokens, values in per-token groups of
-# channels.
+# KIVI's split, which OScaR keeps: keys in per-channel groups of tokens, values in per-token groups of channels.
 ROLES = {"k": "channel", "v": "token"}
 
 
-def check_role(codec: Codec, role) -> str:
-    """The grouping axis of a codec with a K and a V role (KIVI, OScaR)."""
-    if role not in ROLES:
-        raise CodecError(
-            f"codec {codec.name!r}: role must be 'k' (per-channel keys) or 'v' (per-token values), got {role!r}"
-        )
-    return ROLES[role]
+@dataclass(frozen=True)
+class RoleConfig(GroupQuantConfig):
+    """A min-max codec with a key role (per-channel groups over tokens) and a value role (KIVI, OScaR)."""
+
+    role: str = "k"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.role not in ROLES:
+            self.fail(f"role must be 'k' (per-channel keys) or 'v' (per-token values), got {self.role!r}")
 
 
-@register
 class GroupQuantCodec(Codec):
     """Per-token groups of `group` channels, asymmetric min-max, fp16 (scale, min): b + 32/g bits a value (A9)."""
 
-    name = "groupquant"
+    config_class = GroupQuantConfig
+    display_name = "GroupQuant"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
-    defaults = {"bits": 2, "group": 32, "meta": "fp16"}
-    aliases = {"b": "bits", "g": "group"}
 
     def setup(self) -> None:
-        self.bits = self.check_bits(self.config["bits"], tuple(range(1, 9)))
-        self.group = check_group(self, self.config["group"])
-        self.meta_dtype = check_meta(self, self.config["meta"])
+        self.bits, self.group = self.config.bits, self.config.group
+        self.meta_dtype = META_DTYPES[self.config.meta]
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         tensors = encode_minmax(

@@ -6,27 +6,40 @@ rounded fp32 CPU activations to bf16 could not. Use `identity:dtype=bf16` to for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from mmkv.codecs.base import Codec, CodecError, Encoded, check_out, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, check_out
+from mmkv.codecs.config import CodecConfig
 
 _DTYPES = {"native": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-@register
+@dataclass(frozen=True)
+class IdentityConfig(CodecConfig):
+    """`dtype`: the storage dtype, `native` (the input's own) or one of bf16, fp16, fp32."""
+
+    name: ClassVar[str] = "identity"
+    dtype: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            self.fail(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+
 class IdentityCodec(Codec):
-    name = "identity"
+    config_class = IdentityConfig
+    display_name = "Identity"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
-    defaults = {"dtype": "native"}
 
     @classmethod
     def value_config(cls, config, group: int = 32):
         return config  # V is stored like K, unchanged
 
     def setup(self) -> None:
-        if self.config["dtype"] not in _DTYPES:
-            raise CodecError(f"identity: dtype must be one of {sorted(_DTYPES)}, got {self.config['dtype']!r}")
-        self.store_dtype = _DTYPES[self.config["dtype"]]
+        self.store_dtype = _DTYPES[self.config.dtype]
 
     def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
         self.check_input(x, finite=not assume_finite)

@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecConfig, Encoded, register
-from mmkv.codecs.groupquant import check_group, check_meta, check_role, decode_minmax, encode_minmax
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mmkv.codecs.base import Codec, CodecConfig, Encoded
+from mmkv.codecs.groupquant import META_DTYPES, ROLES, RoleConfig, decode_minmax, encode_minmax
 
 
-@register
+@dataclass(frozen=True)
+class KiviConfig(RoleConfig):
+    # The paper's kernels do 2 and 4 bits (its Triton pack also 8); 3 is accepted for iso-bit comparisons.
+    name: ClassVar[str] = "kivi"
+    allowed_bits: ClassVar[tuple[int, ...]] = (2, 3, 4, 8)
+
+
 class KiviCodec(Codec):
-    name = "kivi"
-    defaults = {"bits": 2, "group": 32, "role": "k", "meta": "fp16"}
-    aliases = {"b": "bits", "g": "group"}
+    config_class = KiviConfig
+    display_name = "KIVI"
     stackable = True  # rows (batch, head) decode independently: the store stacks equal units (stack_units)
 
     @classmethod
@@ -32,13 +40,10 @@ class KiviCodec(Codec):
         return config.replace(role="v")
 
     def setup(self) -> None:
-        # The paper's kernels do 2 and 4 bits (its Triton pack also 8); 3 is accepted for iso-bit comparisons.
-        self.bits = self.check_bits(self.config["bits"], (2, 3, 4, 8))
-        self.group = check_group(self, self.config["group"])
-        self.meta_dtype = check_meta(self, self.config["meta"])
-        self.axis = check_role(self, self.config["role"])
+        self.bits, self.group, self.role = self.config.bits, self.config.group, self.config.role
+        self.meta_dtype = META_DTYPES[self.config.meta]
+        self.axis = ROLES[self.role]
         self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
-        self.role = self.config["role"]
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         tensors = encode_minmax(

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, derive_seed, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, derive_seed
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.lloyd import lloyd_max
 from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
@@ -137,29 +140,50 @@ def octopus_codebook(key: str) -> list[float]:
 # The codec
 
 
-@register
-class OctopusCodec(Codec):
-    """OCTOPUS keys. Params: b (nominal 1..5), joint (0/1), norm (32 or 16 bits for gamma), dir/rho ("auto" or bits).
+@dataclass(frozen=True)
+class OctopusConfig(CodecConfig):
+    """bits (nominal 1..5), joint (0/1: the joint 3x3 rounding), norm (32 or 16 bits for gamma), dir and rho ("auto"
+    or bits per octahedral coordinate / triplet norm).
 
-    dir = "auto" means b+1 bits per octahedral coordinate, rho = "auto" means b-1 bits for the triplet norm; give
-    integers for the App. D sweep (b+delta, b-delta). b itself only sets those defaults and the paired V codec's bits.
+    dir = "auto" means bits+1 per octahedral coordinate, rho = "auto" means bits-1 for the triplet norm; give integers
+    for the App. D sweep (b+delta, b-delta). bits itself only sets those defaults and the paired V codec's bits.
     """
 
-    name = "octopus"
+    name: ClassVar[str] = "octopus"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits"}
+    printed: ClassVar[dict[str, str]] = {"bits": "b"}
+    bits: int = 3
+    joint: int = 1
+    norm: int = 32
+    dir: int | str = "auto"
+    rho: int | str = "auto"
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", (1, 2, 3, 4, 5))
+        if isinstance(self.joint, bool):  # `joint=true` reads as 1
+            self.set("joint", int(self.joint))
+        self.check_choice("joint", (0, 1))
+        self.check_choice("norm", (16, 32))
+        if self.dir != "auto":
+            self.check_choice("dir", XI_BITS)
+        if self.rho != "auto":
+            self.check_choice("rho", RHO_BITS)
+
+
+class OctopusCodec(Codec):
+    """OCTOPUS keys (parameters: `OctopusConfig`)."""
+
+    config_class = OctopusConfig
+    display_name = "OCTOPUS"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
-    defaults = {"b": 3, "joint": 1, "norm": 32, "dir": "auto", "rho": "auto"}
-    aliases = {"bits": "b"}
     requires_pow2 = True
     rotation_stream = "octopus"
 
     def setup(self) -> None:
         cfg = self.config
-        self.b = self.check_bits(cfg["b"], (1, 2, 3, 4, 5), "b")
-        joint = int(cfg["joint"]) if isinstance(cfg["joint"], bool) else cfg["joint"]
-        self.joint = bool(self.check_bits(joint, (0, 1), "joint"))
-        self.norm_bits = self.check_bits(cfg["norm"], (16, 32), "norm")
-        self.dir_bits = self.b + 1 if cfg["dir"] == "auto" else self.check_bits(cfg["dir"], XI_BITS, "dir")
-        self.rho_bits = self.b - 1 if cfg["rho"] == "auto" else self.check_bits(cfg["rho"], RHO_BITS, "rho")
+        self.bits, self.joint, self.norm_bits = cfg.bits, bool(cfg.joint), cfg.norm
+        self.dir_bits = self.bits + 1 if cfg.dir == "auto" else cfg.dir
+        self.rho_bits = self.bits - 1 if cfg.rho == "auto" else cfg.rho
         d = self.head_dim
         if d < 4:
             raise CodecError(f"codec {self.name!r}: head_dim must be >= 4 (one full triplet), got {d}")

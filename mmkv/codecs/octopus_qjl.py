@@ -23,16 +23,24 @@ import math
 
 import torch
 
-from mmkv.codecs.base import Encoded, register
-from mmkv.codecs.octopus import OctopusCodec
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mmkv.codecs.base import Encoded
+from mmkv.codecs.octopus import OctopusCodec, OctopusConfig
 from mmkv.codecs.rotation import RandomizedHadamard
 
 
-@register
+@dataclass(frozen=True)
+class OctopusQJLConfig(OctopusConfig):
+    name: ClassVar[str] = "octopus-qjl"
+
+
 class OctopusQJLCodec(OctopusCodec):
     """OCTOPUS with a 1-bit QJL residual sketch; same params as `octopus`."""
 
-    name = "octopus-qjl"
+    config_class = OctopusQJLConfig
+    display_name = "OCTOPUS-QJL"
     has_scores = True
     sketch_stream = "octopus-qjl"
 

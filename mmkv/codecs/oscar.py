@@ -21,18 +21,26 @@ Bits a value (T a multiple of G): K = b + 32/G + 32/(H D), V = b + 32/G. A ragge
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, register
-from mmkv.codecs.groupquant import check_group, check_meta, check_role, decode_minmax, encode_minmax
+from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded
+from mmkv.codecs.groupquant import META_DTYPES, ROLES, RoleConfig, decode_minmax, encode_minmax
 from mmkv.codecs.rotation import hadamard_transform
 
 
-@register
+@dataclass(frozen=True)
+class OscarConfig(RoleConfig):
+    # The paper's kernels do 2 and 4 bits; 3 is accepted for iso-bit comparisons with the other codecs.
+    name: ClassVar[str] = "oscar"
+    allowed_bits: ClassVar[tuple[int, ...]] = (2, 3, 4)
+
+
 class OscarCodec(Codec):
-    name = "oscar"
-    defaults = {"bits": 2, "group": 32, "role": "k", "meta": "fp16"}
-    aliases = {"b": "bits", "g": "group"}
+    config_class = OscarConfig
+    display_name = "OScaR"
     requires_pow2 = True
     stackable = True  # rows (batch, head) decode independently: the store stacks equal units (stack_units)
 
@@ -42,13 +50,10 @@ class OscarCodec(Codec):
         return config.replace(role="v")
 
     def setup(self) -> None:
-        # The paper's kernels do 2 and 4 bits; 3 is accepted for iso-bit comparisons with the other codecs.
-        self.bits = self.check_bits(self.config["bits"], (2, 3, 4))
-        self.group = check_group(self, self.config["group"])
-        self.meta_dtype = check_meta(self, self.config["meta"])
-        self.axis = check_role(self, self.config["role"])
+        self.bits, self.group, self.role = self.config.bits, self.config.group, self.config.role
+        self.meta_dtype = META_DTYPES[self.config.meta]
+        self.axis = ROLES[self.role]
         self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
-        self.role = self.config["role"]
 
     def check_input(self, x: torch.Tensor, finite: bool = True) -> None:
         super().check_input(x, finite)

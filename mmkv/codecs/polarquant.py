@@ -18,13 +18,16 @@ and head, as the paper shares its rotation (§3.1); drawn from the private strea
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded, register
+from mmkv.codecs.base import Codec, CodecError, Encoded
 from mmkv.codecs.codebooks import codebook_family
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.lloyd import lloyd_max_pdf
 from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
@@ -87,31 +90,45 @@ def _parse_levels(levels, where: str) -> tuple[int, ...] | None:
     return tuple(int(c) for c in text)
 
 
-@register
+@dataclass(frozen=True)
+class PolarQuantConfig(CodecConfig):
+    """bits per angle at every level, or `levels`: DEPTH digits of bits per level (0 = bits at every level)."""
+
+    name: ClassVar[str] = "polarquant"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits"}
+    printed: ClassVar[dict[str, str]] = {"bits": "b"}
+    bits: int = 2
+    levels: int = 0
+
+    def __post_init__(self) -> None:
+        if _parse_levels(self.levels, f"codec {self}") is None:
+            self.check_choice("bits", tuple(range(1, MAX_BITS + 1)))
+
+    @property
+    def level_bits(self) -> tuple[int, ...]:
+        """Bits per level, level 1 first."""
+        return _parse_levels(self.levels, f"codec {self}") or (self.bits,) * DEPTH
+
+
 class PolarQuantCodec(Codec):
-    name = "polarquant"
+    config_class = PolarQuantConfig
+    display_name = "PolarQuant"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
-    defaults = {"b": 2, "levels": 0}
-    aliases = {"bits": "b"}
     requires_pow2 = True
 
     @classmethod
     def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
         # Native preset: the paper codes V with PolarQuant too. The b-bit baseline (A14) serves the OCTOPUS comparison,
         # whose key codecs all pair with the A9 value codec at the key's bits.
-        if config.get("levels", 0):
+        if config.levels:
             return config
-        return CodecConfig.parse(f"groupquant:bits={int(config['b'])},group={group}")
+        return CodecConfig.parse(f"groupquant:bits={int(config.bits)},group={group}")
 
     def setup(self) -> None:
         where = f"codec {self.config}"
         if self.head_dim < BLOCK:
             raise CodecError(f"{where}: PolarQuant codes {BLOCK}-coordinate blocks; head_dim {self.head_dim} < {BLOCK}")
-        per_level = _parse_levels(self.config["levels"], where)
-        if per_level is None:
-            b = self.check_bits(self.config["b"], tuple(range(1, MAX_BITS + 1)), key="b")
-            per_level = (b,) * DEPTH
-        self.level_bits = per_level
+        self.level_bits = self.config.level_bits
         self.rotation = RandomizedHadamard(self.head_dim, num_heads=1, seed=self.seed, layer=0, stream="polarquant")
         self._books: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 

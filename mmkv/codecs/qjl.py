@@ -21,10 +21,13 @@ default, fp16 optionally). Bits per key: m + 32 = bits*d + 32 (or + 16).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from mmkv.codecs.base import Codec, Encoded, register
+from mmkv.codecs.base import Codec, Encoded
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.turboquant_mse import check_heads, gaussian_sketch, pack_plane, store_norm, unpack_plane
 
 
@@ -52,25 +55,35 @@ class GaussianSketch:
         return torch.matmul(v, self._s(v.device).transpose(-1, -2))
 
 
-@register
-class QJLCodec(GaussianSketch, Codec):
-    """QJL keys. Params: bits (1..8 sign bits per coordinate, i.e. sketch size m = bits * d), norm (32 or 16)."""
+@dataclass(frozen=True)
+class QJLConfig(CodecConfig):
+    """bits (1..8 sign bits per coordinate, i.e. sketch size m = bits * d), norm (32 or 16 bits for ||k||)."""
 
-    name = "qjl"
+    name: ClassVar[str] = "qjl"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits"}
+    bits: int = 2
+    norm: int = 32
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", tuple(range(1, 9)))
+        self.check_choice("norm", (32, 16))
+
+
+class QJLCodec(GaussianSketch, Codec):
+    """QJL keys (parameters: `QJLConfig`)."""
+
+    config_class = QJLConfig
+    display_name = "QJL"
     # Not token_local: the reference projects with a matmul whose fp32 result depends on how many rows it gets
     # (a 1-token unit and the same token inside a run differ by ~1e-6), so a merged run would not decode bit
     # for bit like its units; and the score estimator re-unpacks a whole segment per query chunk.
     token_local = False
-    defaults = {"bits": 2, "norm": 32}
-    aliases = {"b": "bits"}
     has_scores = True
     sketch_stream = "qjl"
 
     def setup(self) -> None:
-        cfg, d = self.config, self.head_dim
-        self.bits = self.check_bits(cfg["bits"], tuple(range(1, 9)), "bits")
-        self.norm_bits = self.check_bits(cfg["norm"], (32, 16), "norm")
-        self.setup_sketch(self.bits * d)
+        self.bits, self.norm_bits = self.config.bits, self.config.norm
+        self.setup_sketch(self.bits * self.head_dim)
         self.scale = math.sqrt(math.pi / 2) / self.m  # Def. 3.1
 
     @property

@@ -29,11 +29,13 @@ shorter block (the release requires block | D).
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator, register, to_device_shared
+from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator, to_device_shared
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.groupquant import group_min_max, num_groups
 from mmkv.codecs.packing import pack_bits, unpack_bits
 
@@ -198,28 +200,46 @@ def dequantize_residual(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Te
 # The codec
 
 
-def _int_param(codec: Codec, key: str, lo: int, hi: int | None = None) -> int:
-    value = codec.config[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise CodecError(f"codec {codec.name!r}: {key} must be an int {bound}, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class QVGConfig(CodecConfig):
+    """Defaults are the released per-chunk setting: 1 stage, 64-channel blocks, 256 centres, 2 k-means iterations,
+    tol 1e-4, symmetric. `span_units=m` makes the cache wait until m units have left its native window and encode
+    them as one span (the official quant_factor); 0 = every commit's leaving units form one span."""
+
+    name: ClassVar[str] = "qvg"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits", "k": "centroids", "kc": "centroids", "group": "block",
+                                         "g": "block", "s": "stages", "asym": "asymmetric", "span": "span_units"}
+    bits: int = 2
+    centroids: int = 256
+    block: int = 64
+    stages: int = 1
+    iters: int = 2
+    tol: float = 1e-4
+    asymmetric: bool = False
+    span_units: int = 0
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", (2, 4))
+        self.check_int("centroids", 1, MAX_CENTROIDS)
+        self.check_int("block", 1)
+        self.check_int("stages", 0, 8)
+        self.check_int("iters", 1)
+        tol = self.tol
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 1:
+            self.fail(f"tol must be a number in [0, 1] (fraction of ids changed), got {tol!r}")
+        self.set("tol", float(tol))
+        if self.asymmetric not in (True, False) or isinstance(self.asymmetric, float):  # a config prints a bool 0/1
+            self.fail(f"asymmetric must be true or false (1 or 0), got {self.asymmetric!r}")
+        self.set("asymmetric", bool(self.asymmetric))
+        self.check_int("span_units", 0)
 
 
-@register
 class QVGCodec(Codec):
-    """QVG: per-span k-means smoothing (bf16 centres, uint8 ids) + block-scaled INT2/INT4 residuals (E4M3 scales).
+    """QVG: per-span k-means smoothing (bf16 centres, uint8 ids) + block-scaled INT2/INT4 residuals (E4M3 scales);
+    parameters: `QVGConfig`."""
 
-    Defaults are the released per-chunk setting pinned by qvg.md rec #3: 1 stage, 64-channel blocks, 256 centres,
-    2 k-means iterations, tol 1e-4, symmetric. `span_units=m` makes the cache wait until m units have left its native
-    window and encode them as one span (the official quant_factor); 0 = every commit's leaving units form one span.
-    """
-
-    name = "qvg"
-    defaults = {"bits": 2, "centroids": 256, "block": 64, "stages": 1, "iters": 2, "tol": 1e-4,
-                "asymmetric": False, "span_units": 0}
-    aliases = {"b": "bits", "k": "centroids", "kc": "centroids", "group": "block", "g": "block", "s": "stages",
-               "asym": "asymmetric", "span": "span_units"}
+    config_class = QVGConfig
+    display_name = "QVG"
     span_codec = True
 
     @classmethod
@@ -227,21 +247,11 @@ class QVGCodec(Codec):
         return config  # V is clustered separately with the same settings (cache_num_v_centroids = _k_, §2.2)
 
     def setup(self) -> None:
-        self.bits = self.check_bits(self.config["bits"], (2, 4))
-        self.centroids = _int_param(self, "centroids", 1, MAX_CENTROIDS)
-        self.block = _int_param(self, "block", 1)
-        self.stages = _int_param(self, "stages", 0, 8)
-        self.iters = _int_param(self, "iters", 1)
-        tol = self.config["tol"]
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 1:
-            raise CodecError(f"codec 'qvg': tol must be a number in [0, 1] (fraction of ids changed), got {tol!r}")
-        self.tol = float(tol)
-        asym = self.config["asymmetric"]
-        if asym not in (True, False) or isinstance(asym, float):  # 0/1 is how a config prints a bool
-            raise CodecError(f"codec 'qvg': asymmetric must be true or false (1 or 0), got {asym!r}")
-        self.asymmetric = bool(asym)
-        span = _int_param(self, "span_units", 0)
-        self.span_units = span or None  # read by mmkv.cache.KVStore
+        cfg = self.config
+        self.bits, self.centroids, self.block, self.stages, self.iters = (cfg.bits, cfg.centroids, cfg.block,
+                                                                          cfg.stages, cfg.iters)
+        self.tol, self.asymmetric = cfg.tol, cfg.asymmetric
+        self.span_units = cfg.span_units or None  # read by mmkv.cache.KVStore
         self.qmax = (1 << (self.bits - 1)) - 1
 
     # -- protocol ----------------------------------------------------------------------------------------------

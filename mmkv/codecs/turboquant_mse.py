@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, private_generator, register
+from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, private_generator
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.lloyd import lloyd_max_pdf
 from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
@@ -146,29 +149,42 @@ def check_heads(codec: Codec, q: torch.Tensor) -> None:
 # The codec
 
 
-@register
-class TurboQuantMSECodec(Codec):
-    """TurboQuant-MSE keys. Params: b (1..6 bits per coordinate), norm (32 or 16 bits for ||x||), hi (0..d
-    coordinates coded at b+1 bits, for the iso-rate baseline of codecs.md 6.4)."""
+@dataclass(frozen=True)
+class TurboQuantMSEConfig(CodecConfig):
+    """bits (1..6 per coordinate), norm (32 or 16 bits for ||x||), hi (0..d coordinates coded at bits+1, for an
+    iso-rate baseline between two widths)."""
 
-    name = "turboquant-mse"
+    name: ClassVar[str] = "turboquant-mse"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits"}
+    printed: ClassVar[dict[str, str]] = {"bits": "b"}
+    bits: int = 4
+    norm: int = 32
+    hi: int = 0
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", CODEBOOK_BITS)
+        self.check_choice("norm", (32, 16))
+        if not isinstance(self.hi, int) or isinstance(self.hi, bool) or self.hi < 0:
+            self.fail(f"hi={self.hi!r} must be an int in 0..head_dim (coordinates at bits+1)")
+        if self.hi and self.bits == CODEBOOK_BITS[-1]:
+            top = CODEBOOK_BITS[-1]
+            self.fail(f"hi > 0 needs bits <= {top - 1} (bits+1 is at most {top})")
+
+
+class TurboQuantMSECodec(Codec):
+    """TurboQuant-MSE keys (parameters: `TurboQuantMSEConfig`)."""
+
+    config_class = TurboQuantMSEConfig
+    display_name = "TurboQuant-MSE"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
-    defaults = {"b": 4, "norm": 32, "hi": 0}
-    aliases = {"bits": "b"}
     requires_pow2 = True
     rotation_stream = "turboquant"
 
     def setup(self) -> None:
         cfg, d = self.config, self.head_dim
-        self.b = self.check_bits(cfg["b"], CODEBOOK_BITS, "b")
-        self.norm_bits = self.check_bits(cfg["norm"], (32, 16), "norm")
-        hi = cfg["hi"]
-        if not isinstance(hi, int) or isinstance(hi, bool) or not 0 <= hi <= d:
-            raise CodecError(f"codec {self.name!r}: hi={hi!r} must be an int in 0..{d} (coordinates at b+1 bits)")
-        if hi and self.b == CODEBOOK_BITS[-1]:
-            top = CODEBOOK_BITS[-1]
-            raise CodecError(f"codec {self.name!r}: hi > 0 needs b <= {top - 1} (b+1 bits is at most {top})")
-        self.hi = hi
+        self.b, self.norm_bits, self.hi = cfg.bits, cfg.norm, cfg.hi
+        if self.hi > d:
+            raise CodecError(f"codec {self.name!r}: hi={self.hi!r} must be an int in 0..{d} (coordinates at b+1 bits)")
         self.lo_q = ScalarQuantizer(codebook(d, self.b))
         self.hi_q = ScalarQuantizer(codebook(d, self.b + 1)) if self.hi else None
         self.rotation = RandomizedHadamard(

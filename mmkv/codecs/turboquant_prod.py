@@ -19,10 +19,13 @@ T*d, bit 1 = +1), `rnorm` (gamma) and `norm` (n), each fp32 (default) or fp16. B
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from mmkv.codecs.base import Codec, Encoded, register
+from mmkv.codecs.base import Codec, Encoded
+from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.qjl import GaussianSketch
 from mmkv.codecs.rotation import RandomizedHadamard
 from mmkv.codecs.turboquant_mse import (
@@ -35,18 +38,30 @@ from mmkv.codecs.turboquant_mse import (
 )
 
 
-@register
-class TurboQuantProdCodec(GaussianSketch, Codec):
-    """TurboQuant-prod keys. Params: b (2..6 total bits per coordinate: b-1 MSE + 1 QJL), norm (32 or 16 bits for
-    both stored norms)."""
+@dataclass(frozen=True)
+class TurboQuantProdConfig(CodecConfig):
+    """bits (2..6 total per coordinate: bits-1 MSE + 1 QJL), norm (32 or 16 bits for both stored norms)."""
 
-    name = "turboquant-prod"
+    name: ClassVar[str] = "turboquant-prod"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits"}
+    printed: ClassVar[dict[str, str]] = {"bits": "b"}
+    bits: int = 4
+    norm: int = 32
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", (2, 3, 4, 5, 6))
+        self.check_choice("norm", (32, 16))
+
+
+class TurboQuantProdCodec(GaussianSketch, Codec):
+    """TurboQuant-prod keys (parameters: `TurboQuantProdConfig`)."""
+
+    config_class = TurboQuantProdConfig
+    display_name = "TurboQuant-prod"
     # Not token_local: the reference projects with a matmul whose fp32 result depends on how many rows it gets
     # (a 1-token unit and the same token inside a run differ by ~1e-6), so a merged run would not decode bit
     # for bit like its units; and the score estimator re-unpacks a whole segment per query chunk.
     token_local = False
-    defaults = {"b": 4, "norm": 32}
-    aliases = {"bits": "b"}
     requires_pow2 = True
     has_scores = True
     rotation_stream = "turboquant"  # shared with turboquant-mse: the MSE stage is that codec at b-1 bits
@@ -54,8 +69,7 @@ class TurboQuantProdCodec(GaussianSketch, Codec):
 
     def setup(self) -> None:
         cfg, d = self.config, self.head_dim
-        self.b = self.check_bits(cfg["b"], (2, 3, 4, 5, 6), "b")
-        self.norm_bits = self.check_bits(cfg["norm"], (32, 16), "norm")
+        self.b, self.norm_bits = cfg.bits, cfg.norm
         self.mse_q = ScalarQuantizer(codebook(d, self.b - 1))
         self.rotation = RandomizedHadamard(
             d, num_heads=self.num_heads, seed=self.seed, layer=self.layer, stream=self.rotation_stream

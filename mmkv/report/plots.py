@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mmkv.report.summary import (CURVE_METRICS, DEFAULT_METRICS, LPIPS_NOTE, METRICS, Summary, codec_display,
-                                 metric_label, parse_preset)
+                                 metric_label, parse_preset, width_keys)
 
 DPI = 120
 
@@ -43,7 +43,8 @@ def _series(s: Summary) -> dict[str, list]:
     out: dict[str, list] = {}
     for r in s.rows:
         name, params = parse_preset(r.preset)
-        rest = ",".join(f"{k}={v}" for k, v in sorted(params.items()) if k not in ("b", "bits", "v.b", "v.bits"))
+        widths = {*width_keys(name), *(f"v.{k}" for k in width_keys(name.split("/")[-1]))}
+        rest = ",".join(f"{k}={v}" for k, v in sorted(params.items()) if k not in widths)
         out.setdefault(f"{name}:{rest}", []).append(r)
     # Label a line by its codec; add its other parameters only where two lines share the codec.
     names = [k.split(":", 1)[0] for k in out]

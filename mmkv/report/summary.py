@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from mmkv.codecs.config import CodecError, split_preset
+from mmkv.codecs.registry import display_name, get_codec_class, table_order
 from mmkv.metrics.video import DEFAULT_FPS, psnr_from_mse, windowed_means
 from mmkv.report.adherence import ONSET_TOLERANCE_S
 from mmkv.report.runs import REFERENCE, Measured
@@ -71,34 +73,33 @@ BLOCK_METRICS = {"consistency": METRICS["consistency"],
 WINDOW_METRICS = ("lpips", "psnr", "ssim")
 CURVE_METRICS = ("lpips", "psnr", "ssim")
 
-# Display names of the codecs we know, and the order baselines-first the paper uses; others sort after, by name.
-CODEC_NAMES = {"identity": "Identity", "groupquant": "GroupQuant", "kivi": "KIVI", "qvg": "QVG", "qjl": "QJL",
-               "turboquant": "TurboQuant", "turboquant-mse": "TurboQuant-MSE", "turboquant-qjl": "TurboQuant-QJL",
-               "polarquant": "PolarQuant", "oscar": "OScaR", "octopus": "OCTOPUS", "octopus-qjl": "OCTOPUS-QJL"}
-CODEC_ORDER = list(CODEC_NAMES)
-BITS_KEYS = ("b", "bits")
-
-
 def parse_preset(preset: str) -> tuple[str, dict[str, str]]:
     """`name:k=v,...` (or `K/V` with two such parts) -> (name, params); V's params get a `v.` prefix."""
-    parts = str(preset).split("/", 1)
     names, params = [], {}
-    for n, part in enumerate(parts):
-        name, _, rest = part.partition(":")
-        names.append(name.strip().lower())
-        for item in filter(None, (x.strip() for x in rest.split(","))):
-            k, _, v = item.partition("=")
-            params[("v." if n else "") + k.strip()] = v.strip()
+    for n, part in enumerate(str(preset).split("/", 1)):
+        name, items = split_preset(part)
+        names.append(name)
+        params.update((("v." if n else "") + k, v) for k, v in items)
     return "/".join(names), params
 
 
+def width_keys(name: str) -> list[str]:
+    """The parameter keys that spell the nominal width of a `K` or `K/V` preset's key codec (`b`, `bits`)."""
+    try:
+        return get_codec_class(name.split("/")[0]).config_class.spellings("bits")
+    except CodecError:  # a codec this version does not know: the usual spellings
+        return ["b", "bits"]
+
+
 def codec_display(name: str) -> str:
-    return "/".join(CODEC_NAMES.get(n, n) for n in name.split("/"))
+    return "/".join(display_name(n) for n in name.split("/"))
 
 
 def _codec_rank(name: str) -> tuple:
+    """Registered codecs in the registry's table order (baselines first), others after, by name."""
+    order = table_order()
     first = name.split("/")[0]
-    return (CODEC_ORDER.index(first) if first in CODEC_ORDER else len(CODEC_ORDER), name)
+    return (order.index(first) if first in order else len(order), name)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ def _label_rows(rows: list[Row]) -> None:
             rs[0].label = codec_display(codec)
             continue
         params = [parse_preset(r.preset)[1] for r in rs]
-        keys = sorted({k for p in params for k in p if k not in BITS_KEYS})
+        keys = sorted({k for p in params for k in p if k not in width_keys(codec)})
         differ = [k for k in keys if len({p.get(k) for p in params}) > 1]
         for r, p in zip(rs, params):
             extra = ",".join(f"{k}={p.get(k, '-')}" for k in differ)
