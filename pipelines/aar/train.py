@@ -38,7 +38,7 @@ import argparse
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,17 +48,25 @@ import torch.nn.functional as F
 
 from mmkv.codecs.base import private_generator
 from mmkv.demo import TINY_CLAP_AUDIO, TINY_CLAP_TEXT
-from mmkv.pipelines.aar import clap, sounds
+from mmkv.pipelines.aar import sounds
 from mmkv.pipelines.aar.loaders import load_aar, load_sat, save_released_format
 from mmkv.pipelines.aar.model import AAR, AARConfig, build_aar
-from mmkv.pipelines.aar.sat import AAR_PATCH_NUMS, SAT, SATConfig, WNConv1d, WNConvTranspose1d, build_sat
-from mmkv.pipelines.training import (
-    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, seeded, start_stage,
+from mmkv.pipelines.aar.sat import AAR_PATCH_NUMS, SAT, SATConfig
+from mmkv.pipelines.aar.clap_training import (  # noqa: F401  (re-exported: train.contrastive_loss, ...)
+    _summary, audio_embeddings, build_clap, contrastive_loss, retrieval, text_embeddings,
 )
-from mmkv.pipelines.wan.train import word_tokenizer
+from mmkv.pipelines.aar.sat_training import (  # noqa: F401
+    CodebookTraining, MelLoss, codebook_step, evaluate_sat, init_sat, kmeans_init_, quantize, si_snr_db,
+)
+from mmkv.pipelines.aar.train_data import (  # noqa: F401
+    ATTRIBUTES, caption_tokenizer, clap_features, clap_inputs, clap_waves, draw_sounds, feature_extractor,
+    named_groups, random_crop, render_clips, tokenize,
+)
+from mmkv.pipelines.training import (
+    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, start_stage,
+)
 
 STAGES = ("clap", "sat", "aar")
-ATTRIBUTES = ("kind", "note", "waveform", "envelope", "direction", "band", "count")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -158,134 +166,8 @@ def get_config(name: str, **overrides: Any) -> AudioTrainConfig:
 # Data
 
 
-def draw_sounds(gen: torch.Generator, n: int) -> list[sounds.Sound]:
-    """Sounds of training seeds: [0, sounds.TRAIN_SEED_END) only, so held-out seeds are never trained on."""
-    return [sounds.sample_sound(s) for s in torch.randint(0, sounds.TRAIN_SEED_END, (n,), generator=gen).tolist()]
-
-
-def render_clips(batch: list[sounds.Sound], cfg: AudioTrainConfig, device: torch.device,
-                 gen: torch.Generator) -> torch.Tensor:
-    """Clips [B, clip_samples] of 1 s renders, each cropped at a random offset when the SAT's clip is shorter."""
-    wave = sounds.render(batch, sample_rate=cfg.sample_rate, seconds=1.0, device=device)
-    return random_crop(wave, cfg.clip_samples, gen)
-
-
-def random_crop(wave: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    if wave.shape[1] == n:
-        return wave
-    if wave.shape[1] < n:
-        raise ValueError(f"clips of {wave.shape[1]} samples are shorter than the SAT's {n}")
-    start = torch.randint(0, wave.shape[1] - n + 1, (wave.shape[0], 1), generator=gen).to(wave.device)
-    return torch.gather(wave, 1, start + torch.arange(n, device=wave.device))
-
-
-def clap_waves(wave: torch.Tensor, sample_rate: int) -> torch.Tensor:
-    """[B, samples] at `sample_rate` -> [B, samples'] float32 at 48 kHz, resampled as `clap.prepare_clip` does (soxr
-    HQ, else scipy's polyphase filter) on the CPU, the clips as the channels of one signal."""
-    x = clap.resample(wave.detach().float().cpu().numpy().T, sample_rate, clap.CLAP_SAMPLE_RATE)
-    return torch.from_numpy(np.ascontiguousarray(x.T)).to(wave.device)
-
-
-def feature_extractor(window_s: int):
-    """larger_clap_general's preprocessor (rand_trunc + repeatpad; clips never exceed the window, so rand_trunc
-    never crops), with the config's window."""
-    from transformers import ClapFeatureExtractor
-
-    return ClapFeatureExtractor(truncation="rand_trunc", padding="repeatpad", max_length_s=window_s)
-
-
-def clap_features(wave48k: torch.Tensor, extractor) -> torch.Tensor:
-    """`ClapFeatureExtractor(wave, truncation="rand_trunc", padding="repeatpad")["input_features"]` for a batch
-    [B, samples] of 48 kHz clips no longer than its window, in torch on the clips' device: whole repeats then zeros
-    to the window, a centred reflect-padded periodic-Hann STFT in float64 stored as complex64 (as
-    `transformers.audio_utils.spectrogram` does), power, Slaney mel filters, 10 log10(max(., 1e-10)).
-    Returns [B, 1, frames, mels] float32."""
-    if extractor.truncation == "fusion" or extractor.padding != "repeatpad" or extractor.top_db is not None:
-        raise ValueError("clap_features reproduces larger_clap_general's preprocessing (truncation rand_trunc, "
-                         f"padding repeatpad, no top_db); this extractor has {extractor.truncation!r}, "
-                         f"{extractor.padding!r}, top_db {extractor.top_db}")
-    n_max, n = int(extractor.nb_max_samples), wave48k.shape[1]
-    if n > n_max:
-        raise ValueError(f"clips of {n} samples are longer than the CLAP window of {n_max}")
-    x = wave48k.double()
-    if n < n_max:
-        x = F.pad(x.repeat(1, n_max // n), (0, n_max - (n_max // n) * n))
-    window = torch.hann_window(extractor.fft_window_size, periodic=True, dtype=torch.float64, device=x.device)
-    spec = torch.stft(x, extractor.fft_window_size, hop_length=extractor.hop_length, window=window, center=True,
-                      pad_mode="reflect", return_complex=True)
-    power = spec.to(torch.complex64).to(torch.complex128).abs() ** 2
-    mel = torch.from_numpy(extractor.mel_filters_slaney).to(x.device)  # [bins, mels]
-    db = 10 * torch.log10(torch.matmul(mel.T, power).clamp(min=1e-10))
-    return db.float().transpose(1, 2)[:, None]
-
-
-def clap_inputs(wave: torch.Tensor, cfg: AudioTrainConfig, extractor, device: torch.device) -> torch.Tensor:
-    """CLAP input features [B, 1, frames, mels] (on `device`) of SAT-rate clips, `encode_batch` at a time."""
-    out = []
-    for i in range(0, wave.shape[0], cfg.encode_batch):
-        out.append(clap_features(clap_waves(wave[i:i + cfg.encode_batch], cfg.sample_rate).to(device), extractor))
-    return torch.cat(out)
-
-
-def caption_tokenizer(text_len: int):
-    """The video stage's word-level tokenizer over the caption vocabulary (pad 0, `</s>` 1, unk 2), with `</s>`
-    also in front: CLAP's RoBERTa text tower pools its first token (`<s>` there), so every caption starts with the
-    same one."""
-    from tokenizers import processors
-
-    tok = word_tokenizer(sounds.vocabulary(), text_len)
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="</s> $A </s>",
-                                                                         special_tokens=[("</s>", 1)])
-    return tok
-
-
-def tokenize(tokenizer, captions: list[str], text_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    enc = tokenizer(captions, padding="max_length", max_length=text_len, truncation=True, return_tensors="pt")
-    return enc.input_ids, enc.attention_mask
-
-
-def named_groups(batch: list[sounds.Sound]) -> torch.Tensor:
-    """An id per clip, equal for clips whose captions name the same attributes (`Sound.named`)."""
-    keys: dict[str, int] = {}
-    return torch.tensor([keys.setdefault(repr(sorted(s.named.items())), len(keys)) for s in batch])
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: CLAP
-
-
-def build_clap(cfg: AudioTrainConfig, vocab_size: int, seed: int):
-    from transformers import ClapConfig, ClapModel
-
-    # No dropout: it would draw from the global RNG; the data are endless and the captions short.
-    text = {**cfg.clap_text, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1,
-            "max_position_embeddings": max(cfg.clap_text.get("max_position_embeddings", 0), cfg.text_len + 2),
-            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    audio = {**cfg.clap_audio, "hidden_dropout_prob": 0.0}
-    config = ClapConfig(text_config=text, audio_config=audio, projection_dim=clap.EMBED_DIM)
-    return seeded(seed, lambda: ClapModel(config))
-
-
-def audio_embeddings(model, features: torch.Tensor) -> torch.Tensor:
-    """L2-normalised audio_projection(audio_model(...).pooler_output): `ClapEmbedder.embed_wave`'s embedding."""
-    is_longer = torch.zeros(features.shape[0], 1, dtype=torch.bool, device=features.device)
-    out = model.audio_model(input_features=features, is_longer=is_longer)
-    return F.normalize(model.audio_projection(out.pooler_output), dim=-1)
-
-
-def text_embeddings(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = model.text_model(input_ids=ids, attention_mask=mask)
-    return F.normalize(model.text_projection(out.pooler_output), dim=-1)
-
-
-def contrastive_loss(model, audio: torch.Tensor, text: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Symmetric InfoNCE with CLAP's two learned temperatures; the targets of a row are uniform over the clips whose
-    captions name the same attributes (a batch holds repeated captions)."""
-    same = (groups[:, None] == groups[None, :]).float()
-    target = same / same.sum(1, keepdim=True)
-    per_text = text @ audio.T * model.logit_scale_t.exp()
-    per_audio = audio @ text.T * model.logit_scale_a.exp()
-    return 0.5 * (F.cross_entropy(per_text, target) + F.cross_entropy(per_audio, target))
 
 
 def train_clap(cfg: AudioTrainConfig, out: Path, *, device: torch.device, seed: int, budget_s: float | None,
@@ -342,199 +224,8 @@ def write_clap(folder: Path, model, extractor, tokenizer) -> None:
     tokenizer.save_pretrained(str(folder))
 
 
-@torch.no_grad()
-def retrieval(model, tokenizer, extractor, cfg: AudioTrainConfig, device: torch.device) -> dict[str, Any]:
-    """Text-to-audio retrieval over held-out clips: for each clip's caption, is the top-1 clip's attribute the
-    named one? Per attribute, against chance (the share of clips with that value)."""
-    held = [sounds.sample_sound(s) for s in sounds.held_out_seeds(cfg.retrieval_clips)]
-    wave = render_clips(held, cfg, device, torch.Generator().manual_seed(1))
-    feats = clap_inputs(wave, cfg, extractor, device)
-    audio = torch.cat([audio_embeddings(model, feats[i:i + cfg.encode_batch])
-                       for i in range(0, len(held), cfg.encode_batch)])
-    ids, mask = tokenize(tokenizer, [sounds.caption(s) for s in held], cfg.text_len)
-    text = text_embeddings(model, ids.to(device), mask.to(device))
-    top = (text @ audio.T).argmax(dim=1).tolist()
-    named = [s.named for s in held]
-    scores = {}
-    for attr in ATTRIBUTES:
-        queries = [i for i, n in enumerate(named) if attr in n]
-        if not queries:
-            continue
-        hit = [named[top[i]].get(attr) == named[i][attr] for i in queries]
-        chance = [np.mean([m.get(attr) == named[i][attr] for m in named]) for i in queries]
-        scores[attr] = {"accuracy": round(float(np.mean(hit)), 4), "chance": round(float(np.mean(chance)), 4),
-                        "queries": len(queries)}
-    exact = [named[top[i]] == named[i] for i in range(len(held))]
-    chance = [np.mean([m == n for m in named]) for n in named]
-    scores["all_named"] = {"accuracy": round(float(np.mean(exact)), 4), "chance": round(float(np.mean(chance)), 4),
-                           "queries": len(held)}
-    return {"clips": len(held), "text_to_audio_top1": scores}
-
-
-def _summary(scores: dict[str, Any]) -> str:
-    top = scores["text_to_audio_top1"]
-    return ", ".join(f"{a} {v['accuracy']:.2f} (chance {v['chance']:.2f})" for a, v in top.items())
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 2: SAT
-
-
-@dataclass(frozen=True)
-class CodebookTraining:
-    """EMA codebook updates of upstream `quantization/core_vq.py` `EuclideanCodebook` (its `vq.py` defaults)."""
-
-    decay: float = 0.99
-    epsilon: float = 1e-5
-    kmeans_iters: int = 50
-    dead_code: float = 2.0  # EMA count below which a code is reset
-    generator: torch.Generator = field(default_factory=torch.Generator, compare=False)
-    inited: set = field(default_factory=set, compare=False)  # codebooks seen inited (saves a device sync a step)
-
-
-def _sample_vectors(x: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    # core_vq.py `sample_vectors`: distinct rows when there are enough, else with replacement.
-    idx = torch.randperm(x.shape[0], generator=gen)[:n] if x.shape[0] >= n else torch.randint(
-        0, x.shape[0], (n,), generator=gen)
-    return x[idx.to(x.device)]
-
-
-def _nearest(x: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-    dist = -(x.pow(2).sum(1, keepdim=True) - 2 * x @ embed.t() + embed.pow(2).sum(1)[None])
-    return dist.max(dim=-1).indices
-
-
-@torch.no_grad()
-def kmeans_init_(codebook, x: torch.Tensor, iters: int, gen: torch.Generator) -> None:
-    """core_vq.py `kmeans` on the first batch: centroids from sampled rows, empty clusters keep their centroid.
-    `embed_avg` gets count x centroid: upstream copies the centroids themselves, which the EMA reads as sums, so its
-    first update shrinks every code by about 1 / count."""
-    k = codebook.codebook_size
-    means = _sample_vectors(x, k, gen)
-    bins = torch.zeros(k, device=x.device)
-    for _ in range(iters):
-        buckets = _nearest(x, means)
-        bins = torch.bincount(buckets, minlength=k).to(x.dtype)
-        sums = torch.zeros_like(means).index_add_(0, buckets, x)
-        means = torch.where(bins[:, None] == 0, means, sums / bins.clamp(min=1)[:, None])
-    codebook.embed.copy_(means)
-    codebook.embed_avg.copy_(means * bins[:, None])
-    codebook.cluster_size.copy_(bins)
-    codebook.inited.fill_(1.0)
-
-
-def codebook_step(codebook, x: torch.Tensor, train: CodebookTraining | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest codes of the rows of x [N, dim] and their vectors (from the codebook before this step's update); in
-    training, then the dead-code reset and the EMA update (core_vq.py `EuclideanCodebook.forward`)."""
-    if train is not None and id(codebook) not in train.inited:
-        if not bool(codebook.inited):
-            kmeans_init_(codebook, x.detach(), train.kmeans_iters, train.generator)
-        train.inited.add(id(codebook))
-    idx = _nearest(x.detach(), codebook.embed)
-    q = F.embedding(idx, codebook.embed)
-    if train is not None:
-        with torch.no_grad():
-            _expire_codes_(codebook, x.detach(), train)
-            k, d = codebook.codebook_size, train.decay
-            codebook.cluster_size.mul_(d).add_(torch.bincount(idx, minlength=k).to(x.dtype), alpha=1 - d)
-            sums = torch.zeros_like(codebook.embed_avg).index_add_(0, idx, x.detach())
-            codebook.embed_avg.mul_(d).add_(sums, alpha=1 - d)
-            n = codebook.cluster_size.sum()
-            smoothed = (codebook.cluster_size + train.epsilon) / (n + k * train.epsilon) * n  # Laplace smoothing
-            codebook.embed.copy_(codebook.embed_avg / smoothed[:, None])
-    return idx, q
-
-
-def _expire_codes_(codebook, x: torch.Tensor, train: CodebookTraining) -> None:
-    # core_vq.py `expire_codes_` replaces only `embed`, which the EMA step right after overwrites with
-    # embed_avg / cluster_size; the reset also writes those statistics (as vector-quantize-pytorch does), so a dead
-    # code really restarts at a vector of the batch.
-    if train.dead_code <= 0:
-        return
-    dead = (codebook.cluster_size < train.dead_code)[:, None]
-    fresh = _sample_vectors(x, codebook.codebook_size, train.generator)
-    codebook.embed.copy_(torch.where(dead, fresh, codebook.embed))
-    codebook.embed_avg.copy_(torch.where(dead, fresh * train.dead_code, codebook.embed_avg))
-    codebook.cluster_size.copy_(torch.where(dead[:, 0], train.dead_code, codebook.cluster_size))
-
-
-def quantize(sat: SAT, z: torch.Tensor, train: CodebookTraining | None = None, commitment: float = 1.0
-             ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """Multi-scale residual VQ of the encoder output z [B, dimension, T] (core_vq.py
-    `Multiscale_ResidualVectorQuantization.forward`).
-
-    Scale si quantises the residual area-downsampled to its length; its code vectors h [B, latent, pn] add
-    phi(upsample(h)) to the latent, exactly as `get_next_autoregressive_input` does at inference, and leave the
-    residual. Returns (f_hat [B, latent, T], tokens per scale [B, pn], loss): in training f_hat passes the
-    decoder's gradient straight through to z and the loss is the mean over scales of commitment
-    ||x - sg(q)||^2 + the phi term ||q - sg(x)||^2; otherwise f_hat is the inference latent of the tokens, loss 0."""
-    vq = sat.quantizer.vq
-    residual = vq.project_in(z.transpose(1, 2)).transpose(1, 2)
-    T, last = residual.shape[-1], len(vq.scale) - 1
-    if T != vq.scale[-1]:
-        raise ValueError(f"the encoder gave {T} latent frames; the SAT's last scale has {vq.scale[-1]}")
-    f_hat = torch.zeros_like(residual)
-    tokens, losses = [], []
-    for si, pn in enumerate(vq.scale):
-        x = residual
-        down = F.interpolate(x, size=pn, mode="area") if pn != T else x
-        flat = down.transpose(1, 2).reshape(-1, down.shape[1])
-        idx, q_flat = codebook_step(vq.layers[si]._codebook, flat, train)
-        h = q_flat.view(x.shape[0], pn, -1).permute(0, 2, 1)
-        phi = vq.quant_resi[si / last]
-        q = phi(F.interpolate(h, size=T, mode="linear")) if si != last else phi(h)
-        if train is not None:
-            losses.append(commitment * F.mse_loss(x, q.detach()) + F.mse_loss(q, x.detach()))
-            f_hat = f_hat + (x + (q - x).detach())  # straight-through
-        else:
-            f_hat = f_hat + q
-        residual = residual - q.detach()
-        tokens.append(idx.view(x.shape[0], pn))
-    loss = torch.stack(losses).mean() if losses else z.new_zeros(())
-    return f_hat, tokens, loss
-
-
-def init_sat(cfg: SATConfig, seed: int) -> SAT:
-    """A SAT to train: `SAT.init_weights` draws (weights N(0, 1/fan_in)) with each weight-normed conv's gain set to
-    ||v||, as `weight_norm` leaves a freshly built conv; empty codebooks that k-means fills on the first batch."""
-    sat = build_sat(cfg, "meta").to_empty(device="cpu")
-    sat.init_weights(private_generator(seed, "train-sat"))
-    with torch.no_grad():
-        for m in sat.modules():
-            if isinstance(m, (WNConv1d, WNConvTranspose1d)):
-                m.weight_g.copy_(m.weight_v.norm(dim=(1, 2), keepdim=True))
-        for layer in sat.quantizer.vq.layers:
-            cb = layer._codebook
-            for buf in (cb.embed, cb.embed_avg, cb.cluster_size, cb.inited):
-                buf.zero_()
-    return sat
-
-
-class MelLoss:
-    """upstream `losses.py` l_f: for n_fft 2^5 .. 2^11 (hop n_fft / 4), L1 + L2 of the 64-band log10 mel
-    spectrograms (`model/audio_to_mel.py`: reflect pad (n_fft - hop) / 2, no centring, Hann, power, Slaney mel,
-    floor 1e-5), summed."""
-
-    def __init__(self, sample_rate: int, device: torch.device, n_mels: int = 64, powers=range(5, 12)):
-        from mmkv.metrics.audio import mel_filterbank
-
-        self.ffts = [2 ** i for i in powers]
-        self.banks = {n: torch.from_numpy(mel_filterbank(sample_rate, n, n_mels)).float().to(device) for n in self.ffts}
-        self.windows = {n: torch.hann_window(n, device=device) for n in self.ffts}
-
-    def log_mel(self, x: torch.Tensor, n_fft: int) -> torch.Tensor:
-        hop = n_fft // 4
-        p = (n_fft - hop) // 2
-        x = F.pad(x.reshape(-1, 1, x.shape[-1]), (p, p), mode="reflect")[:, 0]
-        spec = torch.stft(x, n_fft, hop_length=hop, window=self.windows[n_fft], center=False, return_complex=True)
-        return torch.matmul(self.banks[n_fft], spec.abs() ** 2).clamp(min=1e-5).log10()
-
-    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = output.new_zeros(())
-        for n in self.ffts:
-            a, b = self.log_mel(target, n), self.log_mel(output, n)
-            loss = loss + F.l1_loss(b, a) + F.mse_loss(b, a)
-        return loss
 
 
 def sat_file(folder: Path, cfg: AudioTrainConfig) -> Path:
@@ -597,45 +288,6 @@ def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     log(f"sat: held-out SI-SNR {h['si_snr_db']:.2f} dB, log-mel L1 {h['log_mel_l1']:.3f}, codes used per scale "
         f"{[u['used'] for u in h['codebook_usage']]}")
     return stats
-
-
-def si_snr_db(ref: torch.Tensor, est: torch.Tensor) -> float:
-    """Scale-invariant SNR (Le Roux et al. 2019, eq. 2 to 4) of zero-mean signals, float64."""
-    s, e = ref.double() - ref.double().mean(), est.double() - est.double().mean()
-    target = (e @ s) / (s @ s) * s
-    return float(10 * torch.log10((target @ target) / ((e - target) @ (e - target)).clamp(min=1e-20)))
-
-
-@torch.no_grad()
-def evaluate_sat(sat: SAT, cfg: AudioTrainConfig, device: torch.device) -> dict[str, Any]:
-    """Held-out reconstruction through the tokens (encode, quantise, decode the inference latent): SI-SNR, the SAT
-    tokenizer's log-mel L1 (`mmkv.metrics.audio.log_mel`), and per scale the codes used and their perplexity."""
-    from mmkv.metrics.audio import log_mel
-
-    held = [sounds.sample_sound(s) for s in sounds.held_out_seeds(cfg.sat_eval_clips)]
-    wave = render_clips(held, cfg, device, torch.Generator().manual_seed(2))
-    recon, tokens = [], []
-    for i in range(0, len(held), cfg.encode_batch):
-        w = wave[i:i + cfg.encode_batch, None]
-        f_hat, toks, _ = quantize(sat, sat.encoder(w))
-        recon.append(sat.fhat_to_audio(f_hat)[:, 0])
-        tokens.append(toks)
-    recon_all = torch.cat(recon).cpu()
-    ref = wave.cpu()
-    audible = [i for i in range(len(held)) if float(ref[i].abs().max()) > 0]
-    si = [si_snr_db(ref[i], recon_all[i]) for i in audible]
-    mel_l1 = [float((log_mel(recon_all[i].numpy(), cfg.sample_rate) - log_mel(ref[i].numpy(), cfg.sample_rate))
-                    .abs().mean()) for i in range(len(held))]
-    usage = []
-    bins = cfg.sat_config().bins
-    for si_, pn in enumerate(cfg.sat_config().multi_scale):
-        codes = torch.cat([t[si_].reshape(-1) for t in tokens]).cpu()
-        p = torch.bincount(codes, minlength=bins).double() / codes.numel()
-        perplexity = float(torch.exp(-(p[p > 0] * p[p > 0].log()).sum()))
-        usage.append({"scale": si_, "tokens": pn, "used": int((p > 0).sum()), "of": bins,
-                      "perplexity": round(perplexity, 2)})
-    return {"clips": len(held), "si_snr_db": round(float(np.mean(si)), 3) if si else None,
-            "si_snr_clips": len(si), "log_mel_l1": round(float(np.mean(mel_l1)), 4), "codebook_usage": usage}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,10 +13,8 @@ stages, each one command that reads the previous stage's folder and writes its o
   block-causal, and the copy reuses the clean frames' RoPE indices. Blocks are 3 latent frames, or 1 frame for a
   `framewise` share of the batches, so both the chunk-wise and the frame-wise loops run on one model. The umT5
   encoder trains jointly, with a share of empty captions; it is frozen afterwards.
-* `distill`: ODE regression (CausVid `causvid/ode_regression.py`). The `dit` model integrates the flow ODE block by
-  block (50-step Euler, classifier-free guidance), its clean endpoints committed to a KV cache as in inference; the
-  student, initialised from it, learns to map the trajectory's state at each timestep the CausVid and Causal Forcing
-  loops call the model at to the endpoint, so that their 3-4 step loops give sharp frames.
+* `distill` (`pipelines/wan/distill.py`): ODE regression (CausVid `causvid/ode_regression.py`), so that the
+  CausVid and Causal Forcing loops' 3-4 steps give sharp frames.
 
 `dit` and `distill` write the release layout `mmkv generate video` reads: `base/` (a diffusers Wan folder: vae,
 text_encoder, tokenizer, transformer/config.json, model_index.json) and `causvid/model.pt` (CausVid's
@@ -28,8 +26,6 @@ what fits, and `train.json` records the steps run. Data and noise come from priv
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +38,7 @@ from mmkv.pipelines.training import (
     add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, seeded, start_stage,
 )
 from mmkv.pipelines.wan import scenes
-from mmkv.pipelines.wan.loop import get_preset
+from mmkv.pipelines.wan.release import write_release  # noqa: F401  (re-exported: train.write_release)
 
 STAGES = ("vae", "dit", "distill")
 
@@ -469,190 +465,6 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 3: ODE distillation for the few-step loops
-
-
-def loop_timesteps(preset_name: str) -> list[float]:
-    """The timesteps a preset calls the model at after block 0 (all of them: these presets use one list)."""
-    first, rest = get_preset(preset_name).schedules()
-    return sorted({round(float(t), 6) for t in first + rest}, reverse=True)
-
-
-def ode_grid(steps: int, shift: float, keep: list[float]) -> list[float]:
-    """Euler nodes from t = 1000 to 0: `steps` shifted-uniform steps with the `keep` timesteps inserted exactly."""
-    u = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
-    nodes = {round(float(1000 * shifted_sigmas(x, shift)), 6) for x in u} | {round(float(t), 6) for t in keep}
-    return sorted(nodes, reverse=True)
-
-
-@torch.no_grad()
-def ode_rollout(dit, context: torch.Tensor, uncond: torch.Tensor | None, noise: torch.Tensor, *, fpb: int,
-                grid: list[float], guidance: float, capture: list[float]) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
-    """Integrate the flow ODE block by block with classifier-free guidance, committing each block's clean endpoint
-    to a native KV cache exactly as inference does (mode "commit" at t = 0). Returns the endpoints [B, F, C, h, w]
-    and the state at each `capture` timestep."""
-    from mmkv.cache import CacheConfig, KVStore
-
-    b, f = noise.shape[:2]
-    cfg_on = uncond is not None and guidance != 1.0
-    ctx = torch.cat([context, uncond]) if cfg_on else context
-    store = KVStore(CacheConfig(codec=None, residual_window=f), num_layers=dit.num_layers, num_heads=dit.num_heads,
-                    head_dim=dit.head_dim)
-    missing = sorted(set(capture) - set(grid))
-    if missing:
-        raise ValueError(f"capture timesteps {missing} are not nodes of the ODE grid")
-    out = torch.empty_like(noise)
-    caps = {t: torch.empty_like(noise) for t in capture}
-    dit.reset()
-    with store.attach(dit.transformer):
-        for s in range(0, f, fpb):
-            x = noise[:, s:s + fpb].float()
-            for t, t_next in zip(grid[:-1], grid[1:]):
-                if t in caps:
-                    caps[t][:, s:s + fpb] = x.to(noise.dtype)
-                inp = torch.cat([x, x]) if cfg_on else x
-                flow = dit(inp.to(dit.dtype), t, ctx, start_frame=s, mode="denoise").float()
-                if cfg_on:
-                    cond, unc = flow.chunk(2)
-                    flow = unc + guidance * (cond - unc)
-                x = x + (t_next - t) / 1000 * flow
-            out[:, s:s + fpb] = x.to(noise.dtype)
-            x0 = x.to(dit.dtype)
-            dit(torch.cat([x0, x0]) if cfg_on else x0, 0.0, ctx, start_frame=s, mode="commit")
-    return out, caps
-
-
-def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch.device, seed: int,
-            budget_s: float | None, init: Path | None = None,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
-    from mmkv.pipelines.wan.loaders import load_wan
-
-    t_start = time.perf_counter()
-    comps = load_wan(dit_folder / "causvid", dit_folder / "base", device=device, dtype=torch.float32)
-    teacher, encoder, tokenizer, vae = comps.dit, comps.text_encoder, comps.tokenizer, comps.vae
-    teacher.eval()
-    # Trajectories come from the model as inference runs it (bf16 weights on CUDA, no autocast: the KV store takes
-    # K and V of one dtype); the student trains from the fp32 weights under autocast.
-    sampler = frozen_copy(teacher).to(torch.bfloat16) if device.type == "cuda" else teacher
-    chunk_ts = loop_timesteps("causvid")
-    frame_ts = loop_timesteps("causal-forcing-frame")
-    grid = ode_grid(cfg.ode_steps, cfg.shift, chunk_ts + frame_ts + [0.0])
-    s_factor = cfg.vae["scale_factor_spatial"]
-    f = 1 + (cfg.frames - 1) // cfg.vae["scale_factor_temporal"]
-    shape = (cfg.dit["in_channels"], cfg.height // s_factor, cfg.width // s_factor)
-    gen = torch.Generator().manual_seed(seed + 20)
-    noise_gen = torch.Generator(device=device).manual_seed(seed + 21)
-    n_frame = int(round(cfg.ode_clips * cfg.framewise))
-    trajectories: dict[int, dict[str, Any]] = {}
-    made: dict[int, int] = {}
-    t0 = time.perf_counter()
-    empty_ids, empty_mask = tokenize(tokenizer, [""], cfg.text_len)
-    for fpb, n, ts in ((cfg.frames_per_block, cfg.ode_clips - n_frame, chunk_ts), (1, n_frame, frame_ts)):
-        if n == 0:
-            continue
-        ends, states, ctxs = [], {t: [] for t in ts}, []
-        share = (n / cfg.ode_clips) * 0.4 * budget_s if budget_s is not None else None
-        t_kind = time.perf_counter()
-        for i in range(0, n, cfg.ode_batch):
-            if share is not None and i and time.perf_counter() - t_kind > share:
-                break  # out of this kind's share of the budget: train on what is there (recorded below)
-            m = min(cfg.ode_batch, n - i)
-            seeds = training_seeds(gen, m)
-            captions = [scenes.caption(scenes.sample_scene(s)) for s in seeds]
-            ids, mask = tokenize(tokenizer, captions, cfg.text_len)
-            with torch.no_grad():
-                context = text_states(encoder, ids.to(device), mask.to(device)).float()
-                uncond = text_states(encoder, empty_ids.expand(m, -1).to(device),
-                                     empty_mask.expand(m, -1).to(device)).float()
-                noise = torch.randn((m, f, *shape), generator=noise_gen, device=device)
-                end, caps = ode_rollout(sampler, context.to(sampler.dtype), uncond.to(sampler.dtype), noise,
-                                        fpb=fpb, grid=grid, guidance=cfg.guidance, capture=ts)
-            keep_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            ends.append(end.to(keep_dtype))
-            ctxs.append(context.to(keep_dtype))
-            for t in ts:
-                states[t].append(caps[t].to(keep_dtype))
-        trajectories[fpb] = {"end": torch.cat(ends), "context": torch.cat(ctxs),
-                             "states": {t: torch.cat(v) for t, v in states.items()}, "ts": ts}
-        made[fpb] = trajectories[fpb]["end"].shape[0]
-        log(f"distill: {made[fpb]} teacher trajectories with {fpb}-frame blocks ({len(grid) - 1} Euler steps, "
-            f"guidance {cfg.guidance})")
-    ode_seconds = time.perf_counter() - t0
-    student = (teacher if init is None else _load_release(init, device)[1]).train().requires_grad_(True)
-    student.state.cache_cross_attn = False
-    ema = frozen_copy(student)
-    tpf = student.tokens_per_frame(shape[1], shape[2])
-    masks = {fpb: teacher_forcing_mask(f, fpb, tpf, device) for fpb in trajectories}
-    train_gen = torch.Generator().manual_seed(seed + 22)
-
-    def loss_fn(step: int) -> torch.Tensor:
-        use_frame = 1 in trajectories and (cfg.frames_per_block not in trajectories
-                                           or float(torch.rand(1, generator=train_gen)) < cfg.framewise)
-        fpb = 1 if use_frame else cfg.frames_per_block
-        traj = trajectories[fpb]
-        idx = torch.randint(0, traj["end"].shape[0], (cfg.distill_batch,), generator=train_gen).to(device)
-        x0 = traj["end"][idx].float()
-        blocks = f // fpb
-        pick = torch.randint(0, len(traj["ts"]), (cfg.distill_batch, blocks), generator=train_gen)
-        t = torch.tensor(traj["ts"], dtype=torch.float32)[pick].repeat_interleave(fpb, dim=1).to(device)
-        stack = torch.stack([traj["states"][ts][idx] for ts in traj["ts"]], dim=0)  # [T, B, F, C, h, w]
-        choice = pick.repeat_interleave(fpb, dim=1).to(device)  # [B, F]
-        noisy = torch.gather(stack, 0, choice[None, :, :, None, None, None].expand(1, *stack.shape[1:]))[0].float()
-        flow = teacher_forced_flow(student, x0, noisy, t, traj["context"][idx].float(), masks[fpb])
-        x0_pred = noisy - (t / 1000).view(*t.shape, 1, 1, 1) * flow.float()
-        return F.mse_loss(x0_pred, x0)
-
-    remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
-    stats = optimise(list(student.parameters()), loss_fn, steps=cfg.distill_steps, lr=cfg.distill_lr,
-                      warmup=cfg.warmup, budget_s=remaining, device=device,
-                      after_step=lambda s: ema_update(ema, student, cfg.ema), log=log, name="distill")
-    write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema, base_from=dit_folder / "base")
-    return {**stats, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()}, "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
-            "capture_timesteps": {"causvid": chunk_ts, "causal-forcing-frame": frame_ts}}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Release layout
-
-
-def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, dit,
-                  base_from: Path | None = None) -> None:
-    """`out/base` (diffusers Wan folder) and `out/causvid/model.pt` (bf16 CausVid generator), as the loaders read.
-
-    The VAE and text encoder are stored in bf16 (the DiT's dtype in CausVid's release; loaders cast to the run's
-    dtype), keeping the whole model under the package-data budget."""
-    from mmkv.pipelines.wan.tiny import original_state_dict
-
-    base = out / "base"
-    if base_from is not None and base_from.resolve() != base.resolve():
-        if base.exists():
-            shutil.rmtree(base)
-        shutil.copytree(base_from, base)
-    else:
-        base.mkdir(parents=True, exist_ok=True)
-        _to_cpu_bf16(vae).save_pretrained(base / "vae")
-        _to_cpu_bf16(encoder).save_pretrained(base / "text_encoder")
-        tokenizer.save_pretrained(base / "tokenizer")
-        (base / "transformer").mkdir(exist_ok=True)
-        dit_cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.dit.items()}
-        (base / "transformer" / "config.json").write_text(json.dumps(
-            {"_class_name": "WanTransformer3DModel", **dit_cfg, "text_len": cfg.text_len}, indent=2) + "\n")
-        (base / "model_index.json").write_text(json.dumps({
-            "_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
-            "vae": ["diffusers", "AutoencoderKLWan"], "text_encoder": ["transformers", "UMT5EncoderModel"],
-            "tokenizer": ["transformers", "T5TokenizerFast"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-        }, indent=2) + "\n")
-    sd = original_state_dict(dit.transformer)
-    (out / "causvid").mkdir(parents=True, exist_ok=True)
-    torch.save({"generator": {"model." + k: v.to("cpu", torch.bfloat16).contiguous() for k, v in sorted(sd.items())}},
-               out / "causvid" / "model.pt")
-
-
-def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
-    return frozen_copy(module).to("cpu", torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -679,6 +491,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.stage == "dit":
         stats = train_dit(cfg, st.source, st.out, **common)
     else:
+        from mmkv.pipelines.wan.distill import distill  # distill builds on this module's helpers
+
         stats = distill(cfg, st.source, st.out, **common)
     finish_stage(st, args, cfg.to_dict(), stats)
     return 0
