@@ -6,12 +6,13 @@ imported only when a kernel is first asked for, so importing `mmkv.kernels` neve
 
 Importing this module installs `lookup` in `mmkv.codecs.base` (the `mmkv` package imports it), so codecs never
 import kernels. Protocol (what `Codec.encode/decode` call on CUDA; each module also has `supports(codec)`):
-  encode: fn(codec, x, *, defer=None) -> Encoded
+  encode: fn(codec, x) -> Encoded
                                          x[..., T, D] already validated by `check_input`, any float dtype, on the
                                          kernel's device; returns the complete bundle (codec string, shape, dtype,
                                          tensors, meta) that the reference `codec.encode(x)` returns. Checks of
-                                         the result that need a host sync go to `defer` when it is a list
-                                         (`mmkv.codecs.base.check_or_defer`).
+                                         the result that need a host sync go through
+                                         `mmkv.codecs.checks.check_or_defer` (read now, or by the caller's
+                                         `encode_scope`).
   decode: fn(codec, enc, dtype, *, out=None) -> Tensor
                                          enc already checked against the codec; returns [..., T, D] in `dtype`,
                                          written into `out` when given (rows evenly strided, unit channel

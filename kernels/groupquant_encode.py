@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.codecs.base import Encoded, check_or_defer
+from mmkv.codecs.base import Encoded
+from mmkv.codecs.checks import check_or_defer, collecting
 from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht_lanes
@@ -117,7 +118,6 @@ def minmax_encode(
     rotate: bool = False,
     norm: torch.Tensor | None = None,
     norm_heads: int = 1,
-    defer: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """`encode_minmax` on the kernel (x[..., T, D] any float dtype, contiguous): {"codes", "scale", "offset"}.
     `rotate` applies the normalised H first and `norm` ([rows / norm_heads, T] fp32) divides each token by its norm
@@ -142,14 +142,14 @@ def minmax_encode(
             D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
             ROUNDED=zero_point == "rounded", num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
         )
-    if scale.numel():  # one reduction; read now (a host sync) or by the caller with its other checks (`defer`)
+    if scale.numel():  # one reduction; read now (a host sync) or with the caller's other checks (`encode_scope`)
         bad = ~(torch.isfinite(scale).all() & torch.isfinite(offset).all())
         what = f"{where}: group scale/offset overflow {meta_dtype}"
         hint = "use meta=fp32 for inputs beyond the fp16 range"
-        if defer is None:
-            check_or_defer(bad, lambda: f"{what} (largest |value| {float(x.float().abs().max()):.4g}); {hint}", defer)
-        else:  # a deferred message must not keep x (a unit's K or V) alive until the caller reads the flags
-            check_or_defer(bad, lambda: f"{what}; {hint}", defer)
+        if not collecting():
+            check_or_defer(bad, lambda: f"{what} (largest |value| {float(x.float().abs().max()):.4g}); {hint}")
+        else:  # a collected message must not keep x (a unit's K or V) alive until the caller reads the flags
+            check_or_defer(bad, lambda: f"{what}; {hint}")
     return {"codes": codes, "scale": scale, "offset": offset}
 
 
@@ -157,11 +157,11 @@ def supports(codec) -> bool:
     return supports_minmax(codec.head_dim, codec.group, codec.bits)
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for groupquant on the kernel: per-token groups of `group` channels, float-minimum offset."""
     x = x.contiguous()
     tensors = minmax_encode(
         x, bits=codec.bits, group=codec.group, axis="token", zero_point="min", meta_dtype=codec.meta_dtype,
-        where=f"codec {codec.config} (layer {codec.layer})", defer=defer,
+        where=f"codec {codec.config} (layer {codec.layer})",
     )
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

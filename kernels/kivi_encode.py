@@ -15,11 +15,11 @@ def supports(codec) -> bool:
     return supports_minmax(codec.head_dim, codec.group, codec.bits)
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for KIVI on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     tensors = minmax_encode(
         x, bits=codec.bits, group=codec.group, axis=codec.axis, zero_point="min", meta_dtype=codec.meta_dtype,
-        where=f"codec {codec.config} (layer {codec.layer})", defer=defer,
+        where=f"codec {codec.config} (layer {codec.layer})",
     )
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -174,9 +174,7 @@ def _tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "octopus", build)
 
 
-def encode(
-    codec, x: torch.Tensor, *, warps: int | None = None, defer: list | None = None
-) -> Encoded:
+def encode(codec, x: torch.Tensor, *, warps: int | None = None) -> Encoded:
     """`codec.encode(x)` for OCTOPUS / OCTOPUS-QJL on the kernel: x[..., T, D] in any float dtype, already validated."""
     qjl = hasattr(codec, "sketch")
     x = x.contiguous()
@@ -205,7 +203,7 @@ def encode(
             num_warps=warps,
             **LAUNCH,
         )
-    tensors = {"dir": dir_p, "gamma": codec._store_gamma(gamma, defer)}
+    tensors = {"dir": dir_p, "gamma": codec._store_gamma(gamma)}
     if codec.rho_bits:
         tensors["rho"] = rho_p
     if qjl:

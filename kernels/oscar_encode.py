@@ -52,7 +52,7 @@ def token_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(norm) & (norm > 0), norm, torch.ones_like(norm)).contiguous()
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for OScaR on the kernel: x[..., (H,) T, D] in any float dtype, already validated."""
     x = x.contiguous()
     where = f"codec {codec.config} (layer {codec.layer})"
@@ -64,7 +64,7 @@ def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     tensors.update(
         minmax_encode(
             x, bits=codec.bits, group=codec.group, axis=codec.axis, zero_point="rounded", meta_dtype=codec.meta_dtype,
-            where=where, rotate=True, norm=norm, norm_heads=x.shape[-3] if x.dim() >= 3 else 1, defer=defer,
+            where=where, rotate=True, norm=norm, norm_heads=x.shape[-3] if x.dim() >= 3 else 1,
         )
     )
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mmkv.codecs.base import Encoded, check_or_defer
+from mmkv.codecs.base import Encoded
+from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
     INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, token_block, vector,
@@ -123,7 +124,7 @@ def _tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "polarquant", build)
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for PolarQuant on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
@@ -152,6 +153,6 @@ def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     if r16.numel():
         check_or_defer(~torch.isfinite(r16).all(), lambda: (
             f"codec {codec.config} (layer {codec.layer}): a block radius exceeds the fp16 range "
-            f"(max {float(radius.max()):.4g}); PolarQuant stores fp16 radii"), defer)
+            f"(max {float(radius.max()):.4g}); PolarQuant stores fp16 radii"))
     tensors["radius"] = r16.contiguous()
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

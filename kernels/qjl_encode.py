@@ -46,7 +46,7 @@ def _tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "qjl", lambda: {"sketch": codec.sketch.float()})  # [H, m, d]
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for QJL on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
@@ -63,5 +63,5 @@ def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
             D=D, M=m, MB=min(128, m & -m), BT=bt, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
         )
     where = f"codec {codec.config} (layer {codec.layer})"
-    tensors = {"signs": signs, "norm": store_norm(norm, codec.norm_bits, where, defer)}
+    tensors = {"signs": signs, "norm": store_norm(norm, codec.norm_bits, where)}
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

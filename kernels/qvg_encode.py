@@ -129,7 +129,7 @@ def quant_pack(codec, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
     return out
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for qvg on the kernels: k-means with the Triton assignment, then the fused subtract + quantise
     + pack of the last stage."""
     return codec.encode_with(x, assign, lambda residual, last: quant_pack(codec, residual, last))

@@ -75,9 +75,7 @@ def _tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "turboquant", build)
 
 
-def encode(
-    codec, x: torch.Tensor, *, warps: int | None = None, defer: list | None = None
-) -> Encoded:
+def encode(codec, x: torch.Tensor, *, warps: int | None = None) -> Encoded:
     """`codec.encode(x)` for TurboQuant-MSE on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
@@ -106,5 +104,5 @@ def encode(
         tensors["idx"] = idx
     if hi:
         tensors["idx_hi"] = idx_hi
-    tensors["norm"] = store_norm(norm, codec.norm_bits, f"codec {codec.config} (layer {codec.layer})", defer)
+    tensors["norm"] = store_norm(norm, codec.norm_bits, f"codec {codec.config} (layer {codec.layer})")
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, tensors)

@@ -72,7 +72,7 @@ def _tables(codec, device: torch.device) -> dict:
     )
 
 
-def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
+def encode(codec, x: torch.Tensor) -> Encoded:
     """`codec.encode(x)` for TurboQuant-prod on the kernel: x[..., T, D] in any float dtype, already validated."""
     x = x.contiguous()
     *lead, T, D = x.shape
@@ -96,6 +96,6 @@ def encode(codec, x: torch.Tensor, *, defer: list | None = None) -> Encoded:
     where = f"codec {codec.config} (layer {codec.layer})"
     return Encoded(
         str(codec.config), tuple(x.shape), x.dtype,
-        {"idx": idx, "qjl": qjl, "rnorm": store_norm(rnorm, codec.norm_bits, where, defer),
-         "norm": store_norm(norm, codec.norm_bits, where, defer)},
+        {"idx": idx, "qjl": qjl, "rnorm": store_norm(rnorm, codec.norm_bits, where),
+         "norm": store_norm(norm, codec.norm_bits, where)},
     )

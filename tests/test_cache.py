@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import mmkv.codecs as codecs
 from mmkv.cache import CacheConfig, Geometry, KVCacheError, KVStore, fit_attention_window, simulate_peak_nbytes
 from mmkv.codecs import Codec, CodecConfig, Encoded, build, get_codec_class, kv_configs, registered
+from mmkv.codecs.checks import inputs_checked
 
 L, H, D = 3, 2, 32
 BATCH = 2  # like AAR's cond/uncond rows
@@ -590,9 +591,9 @@ def test_one_finiteness_scan_per_append_and_nan_still_named(monkeypatch):
     for which in (store.k_codec(0), store.v_codec(0)):
         original = which.encode
 
-        def spy(x, _orig=original, **kw):
-            flags.append(kw.get("assume_finite", False))
-            return _orig(x, **kw)
+        def spy(x, _orig=original):
+            flags.append(inputs_checked())
+            return _orig(x)
 
         which.encode = spy
     store.append(0, rand(gen, 3 * UNIT), rand(gen, 3 * UNIT), num_units=3)
@@ -882,3 +883,24 @@ def test_fused_seam_sees_a_stacked_past_unit_by_unit(monkeypatch):
     assert seen == [[(1, UNIT)] * 5]  # 5 encoded units; the newest stays native
     ref = attn.sdpa(q, *store.past(0))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_encode_scope_collects_checks_and_plain_encode_reads_them_at_once():
+    """The codec protocol carries no host-sync plumbing: a plain `encode` is fully checked, and the store's scope
+    (inputs scanned by the store, device checks collected) applies only inside it and is undone after."""
+    from mmkv.codecs.checks import check_or_defer, collecting, encode_scope
+
+    codec = build("turboquant-mse:b=2,norm=16", layer=0, head_dim=32, num_heads=1)
+    big = torch.full((1, 4, 32), 1e6)
+    with pytest.raises(codecs.CodecError, match="fp16"):
+        codec.encode(big)  # the fp16 norm overflow is read at once
+    with encode_scope(inputs_checked=True, collect=True) as pending:
+        assert inputs_checked() and collecting()
+        codec.encode(big)  # collected, not raised
+        check_or_defer(torch.tensor(True), lambda: "late")
+    assert [m() for _, m in pending][-1] == "late" and len(pending) == 2 and bool(pending[0][0])
+    assert not inputs_checked() and not collecting()
+    nan = torch.zeros(1, 4, 32)
+    nan[0, 0, 0] = float("nan")
+    with pytest.raises(codecs.CodecError, match="NaN"):
+        codec.encode(nan)  # outside the scope the input scan runs again

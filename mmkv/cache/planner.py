@@ -43,7 +43,7 @@ class MeasuredCodec:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.codec, name)
 
-    def encode(self, x: torch.Tensor, **_: Any) -> Encoded:
+    def encode(self, x: torch.Tensor) -> Encoded:
         key = (str(self.codec.config), tuple(x.shape), x.dtype)
         if key not in self.memo:
             probe = torch.randn(x.shape, generator=self.generator).to(device=self.probe_device, dtype=x.dtype)

@@ -15,6 +15,7 @@ from mmkv.cache.config import CacheConfig, KVCacheError, is_int
 from mmkv.cache.segments import LayerState, Seg, group_units, join_encoded, live_predicate
 from mmkv.cache.validate import check_kv, check_layer, check_q, empty_message
 from mmkv.codecs.base import Codec, CodecConfig, CodecError, _kernel, build
+from mmkv.codecs.checks import encode_scope
 
 _Units = dict[int, tuple[torch.Tensor, torch.Tensor]]  # unit index -> (K, V) of the units of this append
 
@@ -189,14 +190,14 @@ class KVStore:
         assume_finite = deferred or bad_input is None or not bool(bad_input)
         checks: list[tuple[list[int], torch.Tensor, Any]] = []
         for group in groups:
-            defer: list | None = [] if deferred else None
             try:
-                staged.append(self._encode(layer, group, natives, new, assume_finite, defer))
+                with encode_scope(inputs_checked=assume_finite, collect=deferred) as pending:
+                    staged.append(self._encode(layer, group, natives, new))
             except CodecError as err:
                 if deferred and bad_input is not None and bool(bad_input):
                     self._refuse_nonfinite(where, layer, groups, natives, new)
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
-            checks += [(group, bad, message) for bad, message in defer or []]
+            checks += [(group, bad, message) for bad, message in pending or []]
         if deferred and bad_input is not None:
             flags = torch.stack([bad_input.reshape(())] + [bad.reshape(()) for _, bad, _ in checks])
             if self._checks.lagged(device):
@@ -217,7 +218,8 @@ class KVStore:
         NaN/Inf names it (codec, layer, count); nothing is stored either way."""
         for group in groups:
             try:
-                self._encode(layer, group, natives, new, False, None)
+                with encode_scope():  # the codecs' own scans, read at once
+                    self._encode(layer, group, natives, new)
             except CodecError as err:
                 raise KVCacheError(f"{where}: encoding units {group} failed; nothing was stored: {err}") from err
         raise KVCacheError(f"{where}: units {[u for g in groups for u in g]} hold NaN/Inf values; nothing was stored")
@@ -236,8 +238,8 @@ class KVStore:
         """Read every pending lagged check now (waiting for the GPU to reach them); KVCacheError if one failed."""
         self._checks.poll(block=True)
 
-    def _encode(self, layer: int, group: list[int], natives: dict[int, Seg], new: _Units, finite: bool = False,
-                defer: list | None = None) -> tuple[Seg, list[Seg], int]:
+    def _encode(self, layer: int, group: list[int], natives: dict[int, Seg], new: _Units
+                ) -> tuple[Seg, list[Seg], int]:
         """Encode one group of consecutive units; returns (encoded segment, native segments it replaces, K numel)."""
         ks, vs, sources = [], [], []
         for unit in group:
@@ -252,8 +254,7 @@ class KVStore:
         k = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         v = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         kc, vc = self._k_codecs[layer], self._v_codecs[layer]
-        seg = Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k, assume_finite=finite, defer=defer),
-                  v_enc=vc.encode(v, assume_finite=finite, defer=defer))
+        seg = Seg(group[0], tuple(t.shape[2] for t in ks), k_enc=kc.encode(k), v_enc=vc.encode(v))
         return seg, sources, k.numel()
 
     def _evict(self, st: LayerState, live: Callable[[int], bool]) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from mmkv.codecs.checks import check_or_defer, inputs_checked  # noqa: F401  (check_or_defer re-exported)
 from mmkv.codecs.config import CodecConfig, CodecError
 from mmkv.codecs.encoded import FLOAT_DTYPES, Encoded
 # Re-exported: the cache and older callers import these from here.
@@ -44,16 +45,6 @@ def to_device_shared(tables: dict[str, torch.Tensor], device: torch.device, key:
         seen.pop(0)
     seen.append(({name: t.clone() for name, t in tables.items()}, dev))
     return dev
-
-
-def check_or_defer(bad: torch.Tensor, message: Callable[[], str], defer: list | None) -> None:
-    """A validity check whose answer lives on the device: `bad` is a 0-d bool tensor. Without `defer`, read it now (a
-    host sync) and raise `CodecError(message())` if it is set; with `defer` (a list the caller reads once, for many
-    encodes: `mmkv.cache.KVStore.append`), append (bad, message) instead."""
-    if defer is not None:
-        defer.append((bad, message))
-    elif bool(bad):
-        raise CodecError(message())
 
 
 def check_out(codec: "Codec", enc: Encoded, dtype: torch.dtype, out: torch.Tensor) -> None:
@@ -140,15 +131,13 @@ class Codec:
         raise NotImplementedError
 
     # -- public protocol ---------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
-        """Encode x [..., T, D]. `assume_finite=True` skips the NaN/Inf scan (a host sync on CUDA): for callers that
-        have already checked x, as `mmkv.cache.KVStore` does once per append for all the units it encodes. `defer`: a
-        list to which a Triton encoder appends its device-side checks (side information overflowing fp16) as
-        (bad flag, message) instead of reading them at once; the caller must read them before using the result."""
-        self.check_input(x, finite=not assume_finite)
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Encode x [..., T, D]. Inside an `mmkv.codecs.checks.encode_scope` the NaN/Inf scan and the device-side
+        checks follow the scope (read together by its owner, in one host sync); outside, all are read at once."""
+        self.check_input(x, finite=not inputs_checked())
         kernel = _kernel(self, "encode", x.device)
         if kernel is not None:
-            enc = kernel(self, x) if defer is None else kernel(self, x, defer=defer)
+            enc = kernel(self, x)
         else:
             enc = self._encode(x.float())
         enc.shape = tuple(x.shape)

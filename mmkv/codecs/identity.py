@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from mmkv.codecs.base import Codec, CodecError, Encoded, check_out
+from mmkv.codecs.checks import inputs_checked
 from mmkv.codecs.config import CodecConfig
 
 _DTYPES = {"native": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -41,8 +42,8 @@ class IdentityCodec(Codec):
     def setup(self) -> None:
         self.store_dtype = _DTYPES[self.config.dtype]
 
-    def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
-        self.check_input(x, finite=not assume_finite)
+    def encode(self, x: torch.Tensor) -> Encoded:
+        self.check_input(x, finite=not inputs_checked())
         stored = x.detach().to(self.store_dtype or x.dtype).contiguous()
         if stored.data_ptr() == x.data_ptr():
             stored = stored.clone()

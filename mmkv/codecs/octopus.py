@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, derive_seed
+from mmkv.codecs.base import Codec, CodecError, Encoded, derive_seed
+from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.lloyd import lloyd_max
 from mmkv.codecs.packing import pack_bits, unpack_bits
@@ -254,16 +255,16 @@ class OctopusCodec(Codec):
         T = enc.shape[-2]
         return unpack_bits(enc.tensors[key], width, T * n).unflatten(-1, (T, n))
 
-    def _store_gamma(self, gamma: torch.Tensor, defer: list | None = None) -> torch.Tensor:
-        """Norms as stored: fp32, or fp16 after checking they fit (read now, or added to `defer`, see
-        `mmkv.codecs.base.check_or_defer`)."""
+    def _store_gamma(self, gamma: torch.Tensor) -> torch.Tensor:
+        """Norms as stored: fp32, or fp16 after checking they fit (read now, or collected by the active scope: see
+        `mmkv.codecs.checks`)."""
         if self.norm_bits == 32:
             return gamma.float()
         if gamma.numel():
             def message() -> str:
                 return f"codec {self.config}: key norm {float(gamma.max()):g} overflows the fp16 gamma; use norm=32"
 
-            check_or_defer(gamma.max() > 65504.0, message, defer)
+            check_or_defer(gamma.max() > 65504.0, message)
         return gamma.half()
 
     # -- protocol ----------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Callable, ClassVar
 import torch
 
 from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator, to_device_shared
+from mmkv.codecs.checks import inputs_checked
 from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.groupquant import group_min_max, num_groups
 from mmkv.codecs.packing import pack_bits, unpack_bits
@@ -255,9 +256,9 @@ class QVGCodec(Codec):
         self.qmax = (1 << (self.bits - 1)) - 1
 
     # -- protocol ----------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, *, assume_finite: bool = False, defer: list | None = None) -> Encoded:
+    def encode(self, x: torch.Tensor) -> Encoded:
         # Not Codec.encode: that hands _encode fp32, and QVG forms its residuals in the input dtype (§2.5).
-        self.check_input(x, finite=not assume_finite)
+        self.check_input(x, finite=not inputs_checked())
         if x.shape[-2] == 0:
             raise CodecError(f"codec {self.config} (layer {self.layer}): a span needs at least one token, got 0")
         kernel = _kernel(self, "encode", x.device)

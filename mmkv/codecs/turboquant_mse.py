@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from mmkv.codecs import codebooks
-from mmkv.codecs.base import Codec, CodecError, Encoded, check_or_defer, private_generator
+from mmkv.codecs.base import Codec, CodecError, Encoded, private_generator
+from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.lloyd import lloyd_max_pdf
 from mmkv.codecs.packing import pack_bits, unpack_bits
@@ -110,9 +111,9 @@ _NORM_DTYPES = {32: torch.float32, 16: torch.float16}
 _FP16_MAX = 65504.0
 
 
-def store_norm(norm: torch.Tensor, bits: int, where: str, defer: list | None = None) -> torch.Tensor:
+def store_norm(norm: torch.Tensor, bits: int, where: str) -> torch.Tensor:
     """Norms in the stored dtype (fp32, or fp16 after checking they fit: codecs.md A2, never bf16). The check is a
-    host sync; with `defer` (a list) it is appended as (bad flag, message) for the caller to read later."""
+    host sync, or collected by the active `mmkv.codecs.checks.encode_scope`."""
     if bits == 16 and norm.numel():
         big = norm.max()
 
@@ -120,7 +121,7 @@ def store_norm(norm: torch.Tensor, bits: int, where: str, defer: list | None = N
             return (f"{where}: a vector norm of {float(big):.4g} does not fit an fp16 norm (max {_FP16_MAX}); "
                     "use norm=32")
 
-        check_or_defer(~(big <= _FP16_MAX), message, defer)  # NaN counts as bad
+        check_or_defer(~(big <= _FP16_MAX), message)  # NaN counts as bad
     return norm.to(_NORM_DTYPES[bits]).contiguous()
 
 
