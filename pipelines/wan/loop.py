@@ -111,8 +111,8 @@ class Preset:
 
 
 _CF_4 = (1000, 750, 500, 250)
-# `source` names the upstream config a preset copies: CV = tianweiy/CausVid, CF = thu-ml/Causal-Forcing. Manifests
-# record these strings, so they keep their short form.
+# `source`: the upstream config a preset copies, prefixed with its repository's initials (tianweiy/CausVid,
+# thu-ml/Causal-Forcing). Manifests record these strings, so they stay as they are.
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
