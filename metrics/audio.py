@@ -1,17 +1,19 @@
-"""Audio metrics of a compressed-cache rollout x̂ against the bf16-cache reference x (audio.md §8).
+"""Audio metrics of a compressed-cache rollout x̂ against the bf16-cache reference x.
 
 Both signals come from the same decoder with the same length; metrics use the raw float output (the float32 wav the
-pipeline writes), before any clipping or int16 conversion. All arithmetic is float64.
+pipeline writes), before any clipping or int16 conversion. All arithmetic is float64 (docs/decisions.md, "Audio
+metrics").
 
-* LSD (audio.md §8.1, NU-Wave's definition, reported in dB): P = |STFT|², Hann window, n_fft 2048, hop 512,
-  center=True with reflect padding, P clamped at 1e-8; LSD = 10 · mean_t sqrt(mean_f (log10 P_x̂ − log10 P_x)²).
+* LSD (NU-Wave's definition, maum-ai/nuwave lightning_model.py, reported in dB): P = |STFT|², Hann window,
+  n_fft 2048, hop 512, center=True with reflect padding, P clamped at 1e-8;
+  LSD = 10 · mean_t sqrt(mean_f (log10 P_x̂ − log10 P_x)²).
   The factor 10 turns log10-power ("bels") into dB, the unit of the OCTOPUS paper's Table 3.
-* Log-mel MSE (§8.2, the SAT tokenizer's own mel, AAR model/audio_to_mel.py): reflect-pad (n_fft − hop)/2 on both
+* Log-mel MSE (the SAT tokenizer's own mel, AAR model/audio_to_mel.py): reflect-pad (n_fft − hop)/2 on both
   sides, STFT with center=False and a Hann window, power spectrum through a Slaney mel filterbank (librosa's
   defaults), log10(max(mel, 1e-5)); n_fft 1024, hop 256, 80 mels, 0 Hz to sr/2; MSE over mels × frames.
-* SNR (§8.3): 10·log10(Σx² / Σ(x − x̂)²) dB, capped at 120 dB (identical signals, or noise below 1e-12 of the
+* SNR: 10·log10(Σx² / Σ(x − x̂)²) dB, capped at 120 dB (identical signals, or noise below 1e-12 of the
   signal energy, read as "bit-identical or below the floor"); NaN for a silent reference.
-* Latent cosine (§8.4) of the SAT latent f_hat; token agreement: fraction of equal token ids.
+* Latent cosine of the SAT latent f_hat; token agreement: fraction of equal token ids.
 Multi-channel input `[N, C]` (soundfile's layout) is scored per channel and averaged.
 """
 
@@ -141,7 +143,7 @@ def log_mel(x, sample_rate: int, *, n_fft: int = MEL_N_FFT, hop: int = MEL_HOP, 
 
 def log_mel_mse(ref, test, sample_rate: int, *, n_fft: int = MEL_N_FFT, hop: int = MEL_HOP,
                 n_mels: int = MEL_N_MELS, floor: float = MEL_FLOOR) -> float:
-    """Mean squared difference of the log10 mel spectrograms (audio.md §8.2)."""
+    """Mean squared difference of the log10 mel spectrograms (AAR model/audio_to_mel.py)."""
     a, b = _pair(ref, test)
     ma = _log_mel(a, sample_rate, n_fft, hop, n_mels, floor)
     mb = _log_mel(b, sample_rate, n_fft, hop, n_mels, floor)

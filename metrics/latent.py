@@ -1,7 +1,7 @@
 """Latent cosine: how far a compressed rollout's latent drifted from the reference latent, direction only.
 
-Video: the denoised Wan latents of the whole rollout; audio: the SAT continuous latent f_hat (audio.md §8.4). Both
-are flattened, so the number is one cosine per rollout, computed in float64.
+Video: the denoised Wan latents of the whole rollout; audio: the SAT continuous latent f_hat, just before
+`fhat_to_audio` (AAR model/SAT.py). Both are flattened, so the number is one cosine per rollout, computed in float64.
 """
 
 from __future__ import annotations

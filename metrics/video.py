@@ -1,7 +1,8 @@
 """Video metrics of a compressed-cache rollout against the bf16-cache reference: per frame, then per video.
 
 Inputs are the lossless uint8 frames `[F, H, W, 3]` the pipeline dumps (`frames.npy`), never the lossy mp4
-(ecosystem.md B4). Conventions, each pinned so that numbers are comparable:
+(as VideoSys eval/pab/common_metrics/batch_eval.py computes them). Conventions, each pinned so that numbers are
+comparable:
 
 * PSNR: scikit-image's `peak_signal_noise_ratio(data_range=255)` per frame (MSE over pixels and channels in float64);
   an identical frame gives +inf. The per-video (and per-window) PSNR is 10·log10(255² / mean_f MSE_f), i.e. the PSNR

@@ -6,7 +6,7 @@ encoded by the layer's codecs (one unit each, or one span for span codecs). Thre
 * **decode + SDPA** (the reference): decode every encoded segment to the store dtype (bf16 on GPU, the model's dtype
   on CPU), gather [past | current] into one K and one V buffer, and make ONE `scaled_dot_product_attention` call. The
   native store takes the same path with nothing to decode, so the identity codec is bit-exact with the native cache
-  (video.md §4.4 invariant 1).
+  (docs/architecture.md, Invariants: identity is bit-exact).
 * **score estimator**: a key codec with `has_scores` (QJL family) defines its own unbiased estimate of q·k, which is
   what its paper evaluates. Each encoded segment is attended with `codec.scores(q, enc)` and the decoded V; native
   segments and the current block exactly; the partial results are merged exactly through log-sum-exp.
@@ -17,7 +17,8 @@ encoded by the layer's codecs (one unit each, or one span for span codecs). Thre
 Memory: the reference decodes the whole past of ONE layer on every call into a scratch buffer that is freed when the
 call returns, so extra memory is one layer's past in the store dtype (plus one segment's decode), never the whole
 model's. Caching decoded tensors across the 3-5 denoising calls of a video block would be faster but costs the native
-footprint again, which is what the codec is meant to save (ecosystem.md D4, qvg.md §8.3).
+footprint again, which is what the codec is meant to save (docs/decisions.md, "Decode per call by default, once per
+rollout on request").
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Segment:
     """A run of stored tokens of one layer, in time order: native K/V or K/V encoded by the layer's codecs.
 
     `skip_tokens` leading tokens of an encoded span are no longer visible (a rolling window evicted their units but the
-    span still holds them, qvg.md §4.1); they are decoded and dropped.
+    span still holds them, as QVG's `ChunkedKVCache.evict_range` does); they are decoded and dropped.
 
     `stack` > 1: the encodings of `stack` equal-length units stacked on a new axis after the batch axis, shape
     [B, stack, H, T_unit, D] (how the store joins the units of codecs that group over tokens, KIVI / OScaR keys, so
@@ -225,7 +226,7 @@ def merge_lse(
     parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge attention over disjoint key sets exactly: softmax over the union = Σ_i exp(lse_i − lse) · out_i,
-    lse = log Σ_i exp(lse_i) (the split-KV reduction of Flash-Decoding, ecosystem.md D2)."""
+    lse = log Σ_i exp(lse_i) (the split-KV reduction of Flash-Decoding)."""
     if not parts:
         raise AttentionError("merge_lse needs at least one (out, lse) part")
     acc = parts[0][0].dtype

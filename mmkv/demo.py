@@ -17,7 +17,7 @@ Trained and random demos go to separate default folders (runs/demo, runs/demo-ra
    noise bursts, clicks) and a prompt file picked from prompts/prompts.txt. The tiny DiT is drawn with
    `kv_sensitive=True` (sharp self-attention whose output dominates the residual stream; see
    `mmkv.pipelines.wan.tiny.kv_sensitive_`), so video rollouts depend on the cached past and 2-bit caches visibly
-   drift, as the tiny AAR's re-init does for audio (audio.md §11.2).
+   drift, as the tiny AAR's re-init does for audio (`mmkv.pipelines.aar.tiny`).
 2. Runs the real commands on them: `mmkv generate video` (CausVid chunk-wise and Causal Forcing frame-wise) and
    `mmkv compare audio`, each with the reference (native cache) and identity plus four codecs at 2 and 4 bits.
 3. Runs `mmkv report` over all runs: tables (md, csv, json, latex), plots and the HTML gallery in OUT/report/.
@@ -102,7 +102,7 @@ PLANS = {
                           prompts=2, audio_model="tiny", clips=2, codecs=QUICK_CODECS),
 }
 
-# The tiny CLAP of audio.md §11.5: 512-d projection as in laion/larger_clap_general, tiny towers
+# A tiny CLAP: 512-d projection as in laion/larger_clap_general, tiny towers
 # (audio hidden = patch_embeds_hidden_size * 2**(stages - 1) = 128).
 TINY_CLAP_AUDIO = dict(patch_embeds_hidden_size=16, depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8],
                        hidden_size=128, projection_dim=512)
@@ -186,7 +186,7 @@ def synthetic_clips(seed: int, n: int) -> list[tuple[str, np.ndarray, int]]:
 
 def write_tiny_clap(directory: str | Path, seed: int = 0) -> Path:
     """A random transformers `ClapModel` with a 512-d projection, saved like laion/larger_clap_general together with
-    its feature extractor (audio.md §11.5). Weights are drawn from a private generator."""
+    its feature extractor, for the offline CLAP path. Weights are drawn from a private generator."""
     import torch
     from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
 

@@ -3,11 +3,11 @@
     mmkv generate video --model causvid --ckpt CKPT --base WAN_DIR --prompts prompts/prompts.txt \
         --codecs octopus:b=3,kivi:bits=2,group=32 --residual-window 1 --seed 0 --out runs/causvid
 
-Long videos (video.md §3.4): `--window W --sink S` rolls Self-Forcing's window (`local_attn_size` W latent frames
-of K/V, the block being generated and S sink frames included; older frames are evicted) for rollouts longer than the
-training length. Equal memory: `--kv-budget 2GiB` gives every codec the longest window whose measured peak KV bytes
-fit the budget (planned by `mmkv.cache.fit_attention_window` before anything is loaded, checked after each rollout);
-the reference keeps `--window` (global when absent).
+Long videos (docs/decisions.md, "Long videos"): `--window W --sink S`
+rolls Self-Forcing's window (`local_attn_size` W latent frames of K/V, the block being generated and S sink frames
+included; older frames are evicted) for rollouts longer than the training length. Equal memory: `--kv-budget 2GiB` gives
+every codec the longest window whose measured peak KV bytes fit the budget (planned by `mmkv.cache.fit_attention_window`
+before anything is loaded, checked after each rollout); the reference keeps `--window` (global when absent).
 
 Per (prompt, variant) it writes RUN/rollouts/pNNNN/<variant>/{frames.npy, latents.safetensors, video.mp4} and last,
 atomically, rollout.json, then the rollout's wall times in timings.json; a rerun skips complete rollouts. A rollout
@@ -42,7 +42,7 @@ from mmkv.pipelines.common import (
 )
 from mmkv.pipelines.wan.loop import PRESETS, get_preset
 
-FPS = 16  # CausVid / Causal Forcing export rate (video.md §7)
+FPS = 16  # CausVid / Causal Forcing export rate (CausVid autoregressive_inference.py:41-49)
 FILES = {"frames": "frames.npy", "latents": "latents.safetensors", "video": "video.mp4"}
 # Settings that must not change when resuming into an existing run folder.
 # Checkpoint and base hashes first: another --ckpt or --base renders other videos, whatever the other settings.

@@ -1,5 +1,5 @@
 """Fixtures shared by several test files: single-threaded torch for the tiny models, and the tiny causal Wan DiT with
-a text context (video.md §8)."""
+a text context."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny_clap(tmp_path_factory):
-    """A random transformers ClapModel with a 512-d projection, saved like laion/larger_clap_general (§11.5)."""
+    """A random transformers ClapModel with a 512-d projection, saved like laion/larger_clap_general."""
     from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
 
     audio = dict(patch_embeds_hidden_size=16, depths=[1, 1, 1, 1], num_attention_heads=[1, 2, 4, 8], hidden_size=128,

@@ -31,7 +31,8 @@ def micro():
 
 
 def test_full_size_state_dict_has_the_released_layout():
-    # audio.md §6.2: 222 keys, 307,556,608 parameters; built on the meta device, so nothing is allocated.
+    # 222 keys, 307,556,608 parameters (counted from AAR model/aar.py and modules/basic_var.py); built on the meta
+    # device, so nothing is allocated.
     aar = build_aar(AARConfig())
     sd = aar.state_dict()
     assert len(sd) == 222
@@ -64,7 +65,8 @@ def test_full_size_state_dict_has_the_released_layout():
 
 
 def test_phi_schedule_matches_the_spec():
-    # audio.md §2.2: si 0-2 -> phi0, 3-5 -> phi1, 6-7 -> phi2, 8-10 -> phi3, 11-12 -> phi4, 13-15 -> phi5.
+    # argmin |tick - si/15| over ticks linspace(1/12, 11/12, 6) (AAR quantization/core_vq.py):
+    # si 0-2 -> phi0, 3-5 -> phi1, 6-7 -> phi2, 8-10 -> phi3, 11-12 -> phi4, 13-15 -> phi5.
     vq = build_sat(SATConfig()).quantizer.vq
     assert [vq.phi_index(si) for si in range(16)] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 4, 4, 5, 5, 5]
 

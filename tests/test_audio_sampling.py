@@ -34,7 +34,7 @@ def store_for(aar, codec, window: int = 1) -> KVStore:
 
 @pytest.fixture
 def zero_codec():
-    """Decodes every stored scale to zeros (audio.md §11.6 "zero everything older"): must change the rollout."""
+    """Decodes every stored scale to zeros ("zero everything older"): must change the rollout."""
 
     class ZeroPast(Codec):
         config_class = CodecConfig.named("test-zero-past")

@@ -1,4 +1,4 @@
-"""Audio metrics (audio.md §8): known answers and agreement with independent numpy / torchaudio computations."""
+"""Audio metrics: known answers and agreement with independent numpy / torchaudio computations."""
 
 import math
 

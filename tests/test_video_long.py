@@ -1,7 +1,7 @@
-"""Long videos at equal memory, on the tiny causal Wan (video.md §3.4, qvg.md §4, §8.5): QVG rollouts draw the
-reference's noise, protected sink frames stay native bit for bit, a rolling window as long as the rollout is the
-global cache bit for bit, a shorter one keeps the peak KV bytes flat as the video grows, and `--kv-budget` gives each
-codec the longest window its measured bytes fit, never exceeding the budget.
+"""Long videos at equal memory, on the tiny causal Wan (Self-Forcing's rolling cache with sinks; QVG's sink protection):
+QVG rollouts draw the reference's noise, protected sink frames stay native bit for bit, a rolling window as long as the
+rollout is the global cache bit for bit, a shorter one keeps the peak KV bytes flat as the video grows, and
+`--kv-budget` gives each codec the longest window its measured bytes fit, never exceeding the budget.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_qvg_rollout_draws_the_reference_noise_and_protected_units_stay_native(d
 
 
 def test_self_forcing_window_maps_to_the_store_window():
-    # local_attn_size counts the block being generated and the sinks (video.md §3.4)
+    # local_attn_size counts the block being generated and the sinks (Self-Forcing wan/modules/causal_model.py)
     assert store_window(None, 0, 3) is None and store_window(12, 3, 3) == 6 and store_window(4, 0, 1) == 3
     assert local_attn_size(store_window(12, 3, 3), 3, 3) == 12
     with pytest.raises(ResolutionError, match="at least 7"):

@@ -1,4 +1,5 @@
-"""The causal Wan DiT and the block loop against the invariants of video.md §4.4, on the tiny configuration (§8)."""
+"""The causal Wan DiT and the block loop on the tiny configuration, against their invariants: the identity codec is
+bit-exact, the cached rollout equals a block-causal full recompute, and only commits encode."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def decode(vae, latents):
 
 
 def test_warped_schedules_match_the_published_values():
-    # video.md §3.1: shift 5 -> 1000, 937.5, 833.33, 625; shift 8 -> 1000, 960, 888.89, 727.27
+    # warped [1000, 750, 500, 250] (Causal Forcing pipeline/causal_inference.py:28-32):
+    # shift 5 -> 1000, 937.5, 833.33, 625; shift 8 -> 1000, 960, 888.89, 727.27
     assert get_preset("causal-forcing-chunk").schedules()[1] == pytest.approx([1000, 937.5, 833.333, 625.0], abs=1e-3)
     assert get_preset("causvid-warp4").schedules()[1] == pytest.approx([1000, 960.0, 888.889, 727.273], abs=1e-3)
     first, rest = get_preset("causal-forcing-frame-2step").schedules()
@@ -58,7 +60,7 @@ def test_warped_schedules_match_the_published_values():
 
 def test_scheduler_nearest_grid_sigma_and_x0_round_trip():
     sched = FlowMatchScheduler(8.0)
-    # CausVid's unwarped 757 / 522 fall on grid points 756.76 / 521.74 (video.md §3.1)
+    # CausVid's unwarped 757 / 522 fall on grid points 756.76 / 521.74 (CausVid flow_match.py:19-39)
     assert float(sched.sigma(757)) == pytest.approx(0.7568, abs=1e-4)
     assert float(sched.sigma(522)) == pytest.approx(0.5217, abs=1e-4)
     g = torch.Generator().manual_seed(5)

@@ -1,12 +1,12 @@
-"""`mmkv bench kernels`: GPU kernels against bf16 SDPA measured in the same process (issue 3 item 4).
+"""`mmkv bench kernels`: GPU kernels against bf16 SDPA measured in the same process.
 
 Cases (one process, one card, the baseline timed in the same run as the kernel it is compared with):
 - decode: one query row (Lq = 1), B = 8, H = 32, D = 128, Lk in {8K, 32K, 128K}: the fused split-K kernel
   (`mmkv.kernels.attention_kernel`) over the encoded cache against `scaled_dot_product_attention` on the bf16 cache.
 - video: a video chunk, B = 1, H = 12, D = 128, Lq = 4680, Lk in {9360, 32760}: the path `mmkv.attention` takes for
-  long query blocks (decode the past to bf16, then SDPA; ecosystem.md D4) against SDPA on the bf16 cache. The past is
-  built by a `KVStore` from 3-frame commits, so its segments are the store's (the encoded past joined into one segment,
-  or for KIVI / OScaR keys a stack of frames).
+  long query blocks (decode the past to bf16, then SDPA; docs/decisions.md, "Attention: decode + one SDPA call") against
+  SDPA on the bf16 cache. The past is built by a `KVStore` from 3-frame commits, so its segments are the store's (the
+  encoded past joined into one segment, or for KIVI / OScaR keys a stack of frames).
 - encode: `Codec.encode` of a bf16 [1, 32, T, 128] tensor, in GB/s of bf16 input.
 
 Timing: `triton.testing.do_bench` (CUDA events, L2 flushed before each call), median. `ratio` = ms / baseline_ms
@@ -46,7 +46,7 @@ DECODE_PRESETS = (
     "octopus:b=3",
     "octopus:b=2",
 )
-# Decode-time targets at Lk = 128K as a fraction of bf16 SDPA time (issue 3): 4-bit class 1/3, 2-bit class 1/5.
+# Decode-time targets at Lk = 128K as a fraction of bf16 SDPA time (docs/perf.md): 4-bit class 1/3, 2-bit class 1/5.
 DECODE_TARGET = {
     "kivi:bits=4,group=32": 1 / 3, "turboquant-mse:b=4": 1 / 3, "octopus:b=4": 1 / 3, "octopus:b=3": 1 / 3,
     "kivi:bits=2,group=32": 1 / 5, "oscar:bits=2,group=32": 1 / 5, "turboquant-mse:b=2": 1 / 5, "octopus:b=2": 1 / 5,

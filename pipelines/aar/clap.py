@@ -1,19 +1,21 @@
-"""Clips in, 512-d CLAP audio embeddings out: the condition AAR was trained on (audio.md §7, §9).
+"""Clips in, 512-d CLAP audio embeddings out: the condition AAR was trained on (AAR inference_AAR.py,
+datasets/audioset.py).
 
 * Decoding: soundfile (wav, flac, ogg/opus, mp3, aiff, ...); other containers (m4a, aac, mp4, webm, wma) through the
   ffmpeg binary shipped with imageio-ffmpeg. Channels are averaged to mono; NaN/Inf or empty files are errors that
   name the file.
-* Resampling to CLAP's 48 kHz with soxr 'HQ' (librosa's default, what AAR's preprocessing used, audio.md §7.1), with
-  scipy's polyphase filter as a fallback when soxr is missing (recorded in every record).
+* Resampling to CLAP's 48 kHz with soxr 'HQ' (librosa's default, what AAR's preprocessing used, AAR
+  datasets/audioset.py), with scipy's polyphase filter as a fallback when soxr is missing (recorded in every record).
 * The waveform is truncated to 480 000 samples (10 s) BEFORE the feature extractor, so its random crop
-  (`rand_trunc`) never runs and embeddings are deterministic (§7.1); shorter clips are tiled by its `repeatpad`.
+  (`rand_trunc`) never runs and embeddings are deterministic (mteb clap_models.py does the same); shorter clips are
+  tiled by its `repeatpad`.
 * transformers backend (the default, what AAR used): `ClapModel` from a local `laion/larger_clap_general` directory
   with `local_files_only=True`; the embedding is computed explicitly as L2-normalise(audio_projection(audio_model(
-  ...).pooler_output)), which is v4's `get_audio_features` on every transformers version (§7.2), and its width is
-  asserted (512).
+  ...).pooler_output)), which is v4's `get_audio_features` on every transformers version (v5 returns a model output
+  instead), and its width is asserted (512).
 * laion-clap backend (optional extra `mmkv[clap]`): imported lazily inside `LaionClapEmbedder`, never at module import
   (importing it contacts the Hugging Face hub). Its torchlibrosa front end is close to, not identical with, the
-  embeddings AAR saw (§7.4).
+  embeddings AAR saw (LAION-AI/CLAP src/laion_clap/hook.py).
 * Precomputed embeddings (`read_embeddings`): a folder of `<clip stem>.npy` / `.safetensors`, or one `.safetensors` /
   `.npz` file keyed by clip stem.
 """

@@ -1,9 +1,10 @@
 """Load the released AAR / SAT checkpoints (or tiny ones in the same format) from a local directory, strictly.
 
-Container format (audio.md §6.1): `torch.load(path)['model_state_dict']` for AAR and `['generator_state_dict']` for
-SAT, keys possibly prefixed `module.` (saved from DDP); a bare state dict and `.safetensors` files are accepted too.
-Pickles are read with `weights_only=True` and never fully unpickled (`read_checkpoint_file`): numpy scalars and an
-`argparse.Namespace` beside the weights are read as data; any other pickled object is refused, naming it.
+Container format (AAR inference_AAR.py, train_AAR_mpi.py `save_checkpoint`): `torch.load(path)['model_state_dict']` for
+AAR and `['generator_state_dict']` for SAT, keys possibly prefixed `module.` (saved from DDP); a bare state dict and
+`.safetensors` files are accepted too. Pickles are read with `weights_only=True` and never fully unpickled
+(`read_checkpoint_file`): numpy scalars and an `argparse.Namespace` beside the weights are read as data; any other
+pickled object is refused, naming it.
 
 Weight norm: the model keeps the legacy `weight_g` / `weight_v` names; files written with the modern
 parametrization (`parametrizations.weight.original0/1`) or with folded `weight`s are mapped onto them.

@@ -1,9 +1,10 @@
 """The AAR transformer (next-scale audio autoregression), written for mmkv.
 
-Architecture from audio.md §3 (official code `qiuk2/AAR` at eaaf1bc: model/aar.py, modules/basic_var.py, itself VAR's
-blocks). Attribute paths equal the official ones so `AAR_d16_bs2048.pth` loads strictly (audio.md §6.2), including
-the persistent buffers `uncond_embedding`, `zero_k_bias`, `lvl_1L` and `attn_bias_for_masking`. Only the fp32 plain
-PyTorch attention path is kept (no flash-attn / xformers / fused MLP), so the cache layout is always BHLc.
+Architecture of the official code (`qiuk2/AAR` at eaaf1bc: model/__init__.py `build_aar`, model/aar.py,
+modules/basic_var.py, itself VAR's blocks). Attribute paths equal the official ones so `AAR_d16_bs2048.pth` loads
+strictly, including the persistent buffers `uncond_embedding`, `zero_k_bias`, `lvl_1L` and `attn_bias_for_masking`.
+Only the fp32 plain PyTorch attention path is kept (no flash-attn / xformers / fused MLP), so the cache layout is
+always BHLc.
 
 Self-attention reads and writes its KV cache through an `mmkv.cache.KVStore` when one is attached
 (`with store.attach(aar): ...` sets `mmkv_store` on every module with an int `mmkv_layer`); one AR step (one scale)
@@ -25,7 +26,7 @@ from mmkv.pipelines.aar.sat import AAR_PATCH_NUMS
 
 @dataclass(frozen=True)
 class AARConfig:
-    """`build_aar` arguments (audio.md §3). Defaults are the released `AAR_d16_bs2048.pth`.
+    """`build_aar` arguments (AAR model/__init__.py). Defaults are the released `AAR_d16_bs2048.pth`.
 
     The builder ties width and heads to depth: embed_dim = 64 * depth, num_heads = depth, so head_dim is always 64.
     """
@@ -89,7 +90,8 @@ class FFN(nn.Module):
 class SelfAttention(nn.Module):
     """Cosine self-attention with a KV cache (modules/basic_var.py `SelfAttention`, SDPA path only).
 
-    Cached K are the post-normalisation unit keys, V the raw values plus `v_bias` (audio.md §5.1).
+    Cached K are the post-normalisation unit keys, V the raw values plus `v_bias` (AAR modules/basic_var.py
+    `SelfAttention`).
     """
 
     def __init__(self, block_idx: int, embed_dim: int, num_heads: int, tau: float = 4.0, cos_attn: bool = True):
@@ -264,7 +266,7 @@ class AAR(nn.Module):
         """Upstream's constructor init plus `init_weights` (model/aar.py), drawn from a private generator.
 
         The builder's defaults nearly switch the residual branches off (gamma ~ 1e-5); tiny test models use
-        init_adaln_gamma=1, init_head=1 so attention over the KV cache matters (audio.md §11.2).
+        init_adaln_gamma=1, init_head=1 so attention over the KV cache matters (AAR model/aar.py `init_weights`).
         """
         if init_std < 0:
             init_std = (1 / self.C / 3) ** 0.5

@@ -1,4 +1,4 @@
-"""The AAR generation loop (`autoregressive_infer_cfg`, audio.md §4), returning tokens, the latent and the audio.
+"""The AAR generation loop (`autoregressive_infer_cfg`, AAR model/aar.py), returning tokens, the latent and the audio.
 
 Sampling randomness: upstream draws with `torch.multinomial(generator=aar.rng)`, whose stream depends on the device
 and cannot be hashed. Here each row's token is drawn by inverse-CDF sampling from ONE float64 uniform, taken from a
@@ -163,7 +163,7 @@ def rollout(
                 t0 = time.perf_counter()
                 cur_L += pn
                 logits = aar.step(next_token_map, cond_BD)
-                t = sampling.cfg * si / aar.num_stages_minus_1  # guidance ramps from 0 to cfg (audio.md §4)
+                t = sampling.cfg * si / aar.num_stages_minus_1  # guidance ramps from 0 to cfg (AAR model/aar.py)
                 logits = (1 + t) * logits[:B] - t * logits[B:]
                 logit_hashes.append(hashlib.sha256(logits.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
                 top_k_top_p_filter_(logits, sampling.top_k, sampling.top_p)

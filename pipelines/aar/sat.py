@@ -1,13 +1,13 @@
 """SAT, the scale-level audio tokenizer of AAR: an EnCodec-style SEANet autoencoder plus multi-scale residual VQ.
 
-Written for mmkv from the architecture in audio.md §2; module and attribute paths equal the official code's
+Written for mmkv from the official architecture; module and attribute paths equal the official code's
 (`qiuk2/AAR` at eaaf1bc: model/SAT.py, modules/seanet.py, modules/conv.py, quantization/core_vq.py), so the released
 `SAT_d128_lat128.pth` loads strictly. Weight-normed convolutions keep the legacy `weight_g` / `weight_v` parameters
-(audio.md §6.3) and compute w = g * v / ||v|| (norm over every dim but 0) on each call.
+(torch.nn.utils.weight_norm's keys) and compute w = g * v / ||v|| (norm over every dim but 0) on each call.
 
 Generation only needs the decoder and the quantizer's codebooks and phi convolutions; the encoder is here so the
-checkpoint loads strictly (its forward works, but the released multi-scale `encode` is broken upstream, audio.md §1,
-and is not reproduced).
+checkpoint loads strictly (its forward works, but the released multi-scale `encode` is broken upstream: it reads an
+unset `shared_codebook` in quantization/core_vq.py, and is not reproduced).
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# audio.md §0: the 16-scale schedule of the released models; 75 latent frames = 1 s at 24 kHz, hop 320.
+# The 16-scale schedule of the released models (AAR config/inference/AAR.yaml); 75 latent frames = 1 s at 24 kHz
+# (hop 320).
 AAR_PATCH_NUMS: tuple[int, ...] = (1, 2, 4, 6, 9, 12, 16, 20, 25, 31, 37, 43, 50, 58, 66, 75)
 
 
 @dataclass(frozen=True)
 class SATConfig:
-    """Constructor arguments of SAT (audio.md §2). Defaults are the AAR-paired `SAT_d128_lat128.pth`.
+    """Constructor arguments of SAT (AAR model/SAT.py). Defaults are the AAR-paired `SAT_d128_lat128.pth`.
 
     `n_filters` is fixed at 32 upstream; it is exposed here only so that unit tests can build a smaller SEANet.
     """
@@ -41,7 +42,7 @@ class SATConfig:
     n_filters: int = 32
     channels: int = 1
     bins: int = 1024
-    causal: bool = False  # the class default upstream is True, but every script builds with False (audio.md §2)
+    causal: bool = False  # the class default upstream is True, but every script builds with False (inference_AAR.py)
     sample_rate: int = 24_000
 
     @property
@@ -89,7 +90,7 @@ class WNConv1d(nn.Module):
 
 
 class WNConvTranspose1d(nn.Module):
-    """nn.ConvTranspose1d under legacy weight norm; dim 0 of its weight is the *input* channel axis (audio.md §6.3)."""
+    """nn.ConvTranspose1d under legacy weight norm; dim 0 of its weight is the *input* channel axis (as in torch)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
         super().__init__()
@@ -248,7 +249,7 @@ class SEANetDecoder(nn.Module):
             for j in range(cfg.n_residual_layers):
                 model.append(SEANetResnetBlock(mult * nf // 2, dilation=2**j, causal=cfg.causal))
             mult //= 2
-        # No final activation: the decoded waveform is unbounded float (audio.md §2.1).
+        # No final activation: the decoded waveform is unbounded float (AAR modules/seanet.py).
         model += [nn.ELU(alpha=1.0), SConv1d(nf, cfg.channels, 7, causal=cfg.causal)]
         self.model = nn.Sequential(*model)
 
@@ -294,7 +295,8 @@ class Phi(nn.Conv1d):
 
 
 class PhiPartiallyShared(nn.Module):
-    """K phi convs shared across scales: scale si uses the one whose tick is nearest si/(S-1) (audio.md §2.2)."""
+    """K phi convs shared across scales: scale si uses the one whose tick is nearest si/(S-1) (AAR
+    quantization/core_vq.py)."""
 
     def __init__(self, qresi_ls: nn.ModuleList):
         super().__init__()
@@ -389,7 +391,7 @@ class SAT(nn.Module):
         """Random weights from a private generator (tests only; real use loads a checkpoint).
 
         Codebooks are N(0, codebook_std^2) and marked inited: the upstream k-means path initialises them to zeros,
-        which would make the audio independent of the tokens (audio.md §11.1).
+        which would make the audio independent of the tokens (AAR quantization/core_vq.py `EuclideanCodebook`).
         """
         for name, p in self.named_parameters():
             if name.endswith("weight_g"):

@@ -1,12 +1,13 @@
-"""Tiny random AAR + SAT configurations (audio.md §11) for tests and the offline demo: same code paths, CPU-cheap.
+"""Tiny random AAR + SAT configurations for tests and the offline demo: same code paths, CPU-cheap.
 
-* `tiny`: the §11.1/11.2 models — the full 16-scale schedule (L = 455, 1 s of audio), depth 2 (C = 128, 2 heads of
+* `tiny`: the full 16-scale schedule (L = 455, 1 s of audio), depth 2 (C = 128, 2 heads of
   64), SAT dimension = latent_dim = 16, n_filters 32.
-* `micro`: the §11.3 variant — scales (1, 2, 3, 5) (L = 11, 1 600 samples), two phi convs, and (our addition) a SEANet
+* `micro`: scales (1, 2, 3, 5) (L = 11, 1 600 samples), two phi convs, and (our addition) a SEANet
   with n_filters 8 so a decode costs milliseconds. Keys and code paths are the released ones.
 
 Weights come from a private generator and are re-initialised so attention over the KV cache matters (gamma 1, head
-gain 1, §11.2) and the codebooks are random (§11.1); otherwise codec effects would be invisible.
+gain 1; AAR model/aar.py `init_weights`) and the codebooks are random (upstream's k-means path starts them at zero);
+otherwise codec effects would be invisible.
 """
 
 from __future__ import annotations
@@ -54,6 +55,6 @@ def write_tiny_checkpoints(directory: str | os.PathLike, kind: str = "micro", se
 
 
 def random_condition(n: int = 1, seed: int = 0, dim: int = 512) -> torch.Tensor:
-    """Seeded unit-norm CLAP-like embeddings (n, dim): the stub conditioner of §11.2."""
+    """Seeded unit-norm CLAP-like embeddings (n, dim): a stub conditioner for tests."""
     x = torch.randn(n, dim, generator=private_generator(seed, "tiny-condition"))
     return x / x.norm(dim=-1, keepdim=True)

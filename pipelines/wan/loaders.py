@@ -6,8 +6,8 @@ no downloads.
   "generator_ema" (Self-Forcing's `self_forcing_dmd.pt`, written by its `trainer/distillation.py`; its
   `inference.py --use_ema`, the command its README gives, loads "generator_ema"). Keys are `model.` + original Wan
   names, possibly with FSDP path segments; or a flat safetensors file. Keys are normalised, renamed to diffusers
-  names (`dit_key_to_diffusers`) and loaded strictly: a wrong layout fails with the missing and unexpected keys listed, in
-  original naming.
+  names (`dit_key_to_diffusers`) and loaded strictly: a wrong layout fails with the missing and unexpected keys listed,
+  in original naming.
 * Base directory, original layout: `config.json`, `Wan2.1_VAE.pth`, `models_t5_umt5-xxl-enc-bf16.pth`,
   `google/umt5-xxl/`; or diffusers layout: `transformer/config.json`, `vae/`, `text_encoder/`, `tokenizer/`.
   The base DiT weights are never needed: the causal checkpoint holds all of them.
@@ -47,7 +47,7 @@ _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 
 def normalize_keys(sd: dict[str, Any]) -> dict[str, Any]:
     """Drop FSDP / activation-checkpoint / compile path segments and a leading `model.` or `model.diffusion_model.`
-    (video.md §5.4 robust-loader recommendation)."""
+    (as Causal Forcing's inference.py:69-83 strips FSDP prefixes)."""
     out = {}
     for key, value in sd.items():
         k = key
@@ -96,8 +96,8 @@ def _preview(names: Any, n: int = 8) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# DiT key mapping, original <-> diffusers (video.md §5.5; the same table as diffusers'
-# convert_wan_transformer_to_diffusers, which the tests cross-check)
+# DiT key mapping, original <-> diffusers (diffusers scripts/convert_wan_to_diffusers.py:31-72; the same table as
+# diffusers' convert_wan_transformer_to_diffusers, which the tests cross-check)
 
 _DIT_MAP = [
     (r"text_embedding\.0\.(.+)", r"condition_embedder.text_embedder.linear_1.\1"),
@@ -152,14 +152,14 @@ def dit_key_to_original(key: str) -> str:
 
 
 def expected_original_keys(num_layers: int) -> int:
-    """Tensor count of a Wan DiT checkpoint: 27 per block + 15 outside (825 for 30 layers, video.md §1)."""
+    """Tensor count of a Wan DiT checkpoint: 27 per block + 15 outside (825 for 30 layers; CausVid causal_model.py)."""
     return 27 * num_layers + 15
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # DiT config and construction
 
-# The released Wan2.1-T2V-1.3B transformer in diffusers kwargs (video.md §1, §5.2; DF convert_wan_to_diffusers.py:
+# The released Wan2.1-T2V-1.3B transformer in diffusers kwargs (diffusers scripts/convert_wan_to_diffusers.py:
 # 328-346). Used by tests and as documentation; a run reads its config from the base directory.
 WAN21_T2V_1_3B: dict[str, Any] = {
     "patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
@@ -188,7 +188,8 @@ def read_dit_config(base: Path, layout: str) -> dict[str, Any]:
             raise LoadError(f"{path}: missing {missing}; expected the original Wan config (dim, num_heads, ...)")
         if raw["dim"] % raw["num_heads"]:
             raise LoadError(f"{path}: dim {raw['dim']} is not divisible by num_heads {raw['num_heads']}")
-        # Fields absent from the original config.json take the original code's defaults (video.md §5.1).
+        # Fields absent from the original config.json take the original code's defaults
+        # (CausVid causal_model.py:286-288).
         cfg = {
             "patch_size": tuple(raw.get("patch_size", (1, 2, 2))),
             "num_attention_heads": raw["num_heads"],
@@ -328,7 +329,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-# -- VAE (video.md §5.6) --
+# -- VAE --
 
 def vae_original_to_diffusers(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
@@ -357,7 +358,7 @@ def load_vae(base: Path, layout: str, *, device, dtype):
         if not isinstance(sd, dict) or "encoder.conv1.weight" not in sd or "conv2.weight" not in sd:
             raise LoadError(f"{path} is not a Wan2.1 VAE state dict (no encoder.conv1.weight / conv2.weight)")
         base_dim, z_dim = sd["encoder.conv1.weight"].shape[0], sd["conv2.weight"].shape[0]
-        # The original builder hard-codes these (CF wan/modules/vae.py:612-636).
+        # The original builder hard-codes these (Causal Forcing wan/modules/vae.py:612-636).
         with torch.device("meta"):
             vae = AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                                    attn_scales=[], temperal_downsample=[False, True, True])
@@ -384,7 +385,7 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, torch.Tensor], path: Pat
     return module.load_state_dict(sd, strict=True, assign=True)
 
 
-# -- umT5 text encoder (video.md §5.7) --
+# -- umT5 text encoder (CausVid wan_base/modules/t5.py -> transformers UMT5EncoderModel) --
 
 _T5_MAP = [
     (r"token_embedding\.weight", "shared.weight"),
@@ -409,7 +410,7 @@ def t5_key_to_transformers(key: str) -> str:
 
 
 def t5_original_config(sd: dict[str, torch.Tensor], path: Path):
-    """UMT5Config from the shapes of an original Wan umT5 encoder state dict (video.md §2.6, §5.7)."""
+    """UMT5Config from the shapes of an original Wan umT5 encoder state dict (CausVid t5.py `umt5_xxl`)."""
     from transformers import UMT5Config
 
     try:
@@ -502,7 +503,7 @@ class WanComponents:
 
 
 def default_device_dtype(device: str | torch.device | None = None) -> tuple[torch.device, torch.dtype]:
-    """bf16 on GPU (what the repos run, video.md §5.8), fp32 on CPU."""
+    """bf16 on GPU (what the repos run: CausVid wan_wrapper.py, Causal Forcing inference.py:60-91), fp32 on CPU."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

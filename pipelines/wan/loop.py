@@ -1,6 +1,7 @@
 """Flow-matching scheduler, the CausVid / Causal Forcing / Self-Forcing presets, and the block-autoregressive loop.
 
-The loop is video.md §3.2-3.3: per block of `frames_per_block` latent frames, denoise with the preset's timesteps
+The loop is CausVid's causvid/models/wan/causal_inference.py:77-206 and Causal Forcing's
+pipeline/causal_inference.py:66-333: per block of `frames_per_block` latent frames, denoise with the preset's timesteps
 (re-noising the x0 prediction with fresh noise between steps), keep the last x0, then run one `commit` pass on that x0
 at t = `context_noise` (0) so the block's clean K/V enter the cache. Only commit passes reach the store's `append`.
 Every random draw comes from the rollout's `NoiseStream` (initial latents first, then re-noising draws in loop order),
@@ -24,13 +25,13 @@ class PresetError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Scheduler (video.md §3.1: DiffSynth FlowMatchScheduler, sigma_min 0, extra_one_step, 1000 grid points)
+# Scheduler (DiffSynth FlowMatchScheduler, sigma_min 0, extra_one_step, 1000 grid points; CausVid flow_match.py:19-39)
 
 
 class FlowMatchScheduler:
     """sigma_i = linspace(1, 0, 1001)[:-1], shifted s*sigma/(1+(s-1)*sigma); timestep = 1000*sigma (float32).
 
-    Lookups use the grid point nearest to t (CV flow_match.py:19-73; CF utils/scheduler.py:106-180).
+    Lookups use the grid point nearest to t (CausVid flow_match.py:19-73; Causal Forcing utils/scheduler.py:106-180).
     """
 
     def __init__(self, shift: float, num_train_timesteps: int = 1000):
@@ -41,7 +42,9 @@ class FlowMatchScheduler:
         self.timesteps = self.sigmas * num_train_timesteps
 
     def warp(self, steps: list[float]) -> list[float]:
-        """`warp_denoising_step`: entry n becomes grid-with-trailing-0[1000 - n] (CF causal_inference.py:28-32)."""
+        """`warp_denoising_step`: entry n becomes grid-with-trailing-0[1000 - n].
+
+        As Causal Forcing's pipeline/causal_inference.py:28-32."""
         grid = torch.cat([self.timesteps, torch.zeros(1)])
         out = []
         for n in steps:
@@ -66,7 +69,7 @@ class FlowMatchScheduler:
         return ((1 - s) * x0 + s * noise).type_as(noise)
 
     def flow_to_x0(self, flow: torch.Tensor, xt: torch.Tensor, t: float) -> torch.Tensor:
-        """x0 = x_t - sigma_t * flow, in float64 (CV wan_wrapper.py:115-139)."""
+        """x0 = x_t - sigma_t * flow, in float64 (CausVid wan_wrapper.py:115-139)."""
         s = self.sigma(t).double().to(flow.device)
         return (xt.double() - s * flow.double()).to(flow.dtype)
 
@@ -108,6 +111,8 @@ class Preset:
 
 
 _CF_4 = (1000, 750, 500, 250)
+# `source`: the upstream config a preset copies, prefixed with its repository's initials (tianweiy/CausVid,
+# thu-ml/Causal-Forcing). Manifests record these strings, so they stay as they are.
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -174,7 +179,7 @@ def rollout(
     device, dtype = model.device, model.dtype
     shape = (batch_size, num_frames, model.in_channels, latent_height, latent_width)
     model.reset()
-    x_init = noise.randn(*shape, device=device, dtype=dtype)  # one draw for the whole video (CV/CF)
+    x_init = noise.randn(*shape, device=device, dtype=dtype)  # one draw for the whole video (CausVid, Causal Forcing)
     out = torch.empty(shape, device=device, dtype=dtype)
     result = RolloutResult(latents=out)
     num_blocks = num_frames // fpb
@@ -188,7 +193,7 @@ def rollout(
             x0 = sched.flow_to_x0(flow, x, t)
             result.calls += 1
             if i + 1 < len(block_steps):
-                eps = noise.randn(*x0.shape, device=device, dtype=dtype)  # fresh noise each step (§3.2)
+                eps = noise.randn(*x0.shape, device=device, dtype=dtype)  # fresh noise each step, as upstream
                 x = sched.add_noise(x0, eps, block_steps[i + 1])
         out[:, s:s + fpb] = x0
         # Cache pass on the clean block: its output is discarded, its K/V are what later blocks see.
@@ -204,7 +209,7 @@ def rollout(
 
 def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int,
                       device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool [L, L]: a query in block j may attend keys of blocks <= j (video.md §2.4; CV causal_model.py:414-455)."""
+    """Bool [L, L]: a query in block j may attend keys of blocks <= j (CausVid causal_model.py:414-455)."""
     block = torch.arange(num_frames, device=device) // frames_per_block
     block = block.repeat_interleave(tokens_per_frame)
     return block.unsqueeze(1) >= block.unsqueeze(0)

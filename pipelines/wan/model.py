@@ -1,18 +1,22 @@
 """The causal Wan2.1 DiT: diffusers' `WanTransformer3DModel` with frame-offset RoPE and causal attention processors.
 
-Option A of video.md §6.6. The diffusers model is used unchanged except for three swaps, all done at construction:
+The diffusers model is used unchanged except for three swaps, all done at construction (docs/decisions.md,
+"diffusers model with three swaps"):
 * `transformer.rope` becomes `OffsetRoPE`, whose temporal positions start at the current block's first latent frame
-  (video.md §2.3; CV causal_model.py:27-54). Its cos/sin tables are plain float64 attributes, not buffers, so casting
-  the model to bf16 leaves them exact (the original keeps `freqs` as a plain attribute for the same reason).
+  (`causal_rope_apply`, CausVid causvid/models/wan/causal_model.py:27-54). Its cos/sin tables are plain float64
+  attributes, not buffers, so casting the model to bf16 leaves them exact (the original keeps `freqs` as a plain
+  attribute for the same reason).
 * every `blocks[i].attn1` gets `CausalSelfAttnProcessor` and the attribute `mmkv_layer = i`, so that
   `KVStore.attach(transformer)` hands it the store (`attn.mmkv_store`). In `denoise` mode a call attends over
   [stored past | current block] and stores nothing; in `commit` mode it attends the same way and then appends the
-  block's post-RoPE K and raw V to the store, which encodes frames that leave the residual window (video.md §4.2-4.3).
-  `full` mode attends within the call only, with an optional mask: the block-causal recompute of video.md §4.4.
-* every `blocks[i].attn2` gets `CrossAttnProcessor`, which can keep the per-prompt text K/V (video.md §2.6).
+  block's post-RoPE K and raw V to the store, which encodes frames that leave the residual window (CausVid
+  causal_model.py:134-143). `full` mode attends within the call only, with an optional mask: the block-causal recompute
+  (CausVid causal_model.py:414-455).
+* every `blocks[i].attn2` gets `CrossAttnProcessor`, which can keep the per-prompt text K/V (CausVid
+  wan_base/modules/model.py:159-194).
 
-Both processors normalise q/k in float32 and cast back, like the original `WanRMSNorm` (GF model_patches.py does the
-same for parity), and rotate in float64 like the original complex128 RoPE.
+Both processors normalise q/k in float32 and cast back, like the original `WanRMSNorm` (gueraf/self-forcing-diffusers'
+model_patches.py does the same for parity), and rotate in float64 like the original complex128 RoPE.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The original WanRMSNorm: normalise in float32, cast back, then scale (CV model.py WanRMSNorm.forward)."""
+    """The original WanRMSNorm: normalise in float32, cast back, then scale (CausVid model.py WanRMSNorm.forward)."""
     xf = x.float()
     eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -131,7 +135,7 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class CausalSelfAttnProcessor:
-    """Self-attention over [stored past | current block] through `attn.mmkv_store` (video.md §4.2)."""
+    """Self-attention over [stored past | current block] through `attn.mmkv_store` (CausVid causal_model.py:134-143)."""
 
     def __init__(self, state: CausalState, layer: int):
         self.state = state
@@ -146,7 +150,7 @@ class CausalSelfAttnProcessor:
         if rotary_emb is not None:
             q = apply_rope(q, *rotary_emb)
             k = apply_rope(k, *rotary_emb)
-        # [B, L, H, D] -> [B, H, L, D]: the store's layout. K is post-RoPE, V raw (video.md §4.1).
+        # [B, L, H, D] -> [B, H, L, D]: the store's layout. K is post-RoPE, V raw (CausVid causal_model.py:96-102).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         observer = getattr(attn, "mmkv_observer", None)  # set by `mmkv.inspect.KVObserver.attach`; reads only
         if observer is not None:
@@ -162,7 +166,8 @@ class CausalSelfAttnProcessor:
                 )
             out = store.attend(self.layer, q, k_cur=k, v_cur=v)
             if state.mode == "commit":
-                # Only the clean (t = context_noise) pass persists; denoising writes are transient (video.md §3.2).
+                # Only the clean (t = context_noise) pass persists; denoising writes are transient
+                # (CausVid causal_inference.py:77-206).
                 store.append(self.layer, k, v, num_units=state.num_frames)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
@@ -170,7 +175,7 @@ class CausalSelfAttnProcessor:
 
 
 class CrossAttnProcessor:
-    """Text cross-attention; with `state.cache_cross_attn` the text K/V are computed once per rollout (§2.6)."""
+    """Text cross-attention; with `state.cache_cross_attn` the text K/V are computed once per rollout (as CausVid)."""
 
     def __init__(self, state: CausalState, layer: int):
         self.state = state
@@ -189,7 +194,7 @@ class CrossAttnProcessor:
                 state.cross_kv[self.layer] = (k, v)
         else:
             k, v = cached
-        out = F.scaled_dot_product_attention(q, k, v)  # no mask: padding positions are zeros (§2.6)
+        out = F.scaled_dot_product_attention(q, k, v)  # no mask, as upstream (CausVid causal_model.py:530-538)
         out = out.transpose(1, 2).flatten(2, 3).type_as(q)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)

@@ -1,7 +1,8 @@
 """One text-to-video pipeline for every preset: text encoding, the block loop over a KV store, VAE decoding.
 
 Shapes come from the loaded configs: latent grid from the VAE's compression factors, tokens per frame from the DiT's
-patch size, layer / head counts from the DiT config, text length from the base config (video.md §6.5-6.6).
+patch size, layer / head counts from the DiT config, text length from the base config (never upstream's fixed
+1560 / 32760).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def make_grid(frames: int, height: int, width: int, *, t_factor: int, s_factor: 
 
 def store_window(window: int | None, sink: int, frames_per_block: int) -> int | None:
     """Self-Forcing's rolling window (`local_attn_size` latent frames of K/V buffer, the block being generated and the
-    `sink_size` sink frames included; video.md §3.4) -> the store's `attention_window` (stored frames kept besides the
-    sinks; the current block is attended from the call, not stored). None = global attention."""
+    `sink_size` sink frames included; Causal Forcing causal_model.py:198-239) -> the store's `attention_window` (stored
+    frames kept besides the sinks; the current block is attended from the call, not stored). None = global attention."""
     if window is None:
         return None
     past = window - frames_per_block - sink
@@ -98,9 +99,9 @@ def _ftfy():
 
 
 def clean_prompt(text: str) -> str:
-    """Wan's `whitespace` cleaning (CF wan/modules/tokenizers.py): ftfy.fix_text, HTML unescape twice, collapse
-    whitespace. Always with ftfy, like the original: without it curly quotes or mojibake reach the tokenizer as other
-    token ids than upstream's."""
+    """Wan's `whitespace` cleaning (Causal Forcing wan/modules/tokenizers.py): ftfy.fix_text, HTML unescape twice,
+    collapse whitespace. Always with ftfy, like the original: without it curly quotes or mojibake reach the tokenizer as
+    other token ids than upstream's."""
     text = _ftfy().fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return re.sub(r"\s+", " ", text).strip()
@@ -128,7 +129,7 @@ class WanVideoPipeline:
     # -- text --------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_text(self, prompts: list[str]) -> torch.Tensor:
-        """[B, text_len, text_dim] umT5 states, zero beyond each prompt's length (video.md §2.6)."""
+        """[B, text_len, text_dim] umT5 states, zero beyond each prompt's length (CausVid wan_wrapper.py:16-53)."""
         tok = self.c.tokenizer(
             [clean_prompt(p) for p in prompts], padding="max_length", truncation=True, max_length=self.c.text_len,
             add_special_tokens=True, return_attention_mask=True, return_tensors="pt",
@@ -165,8 +166,8 @@ class WanVideoPipeline:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """uint8 frames [B, T, H, W, 3] from latents [B, F, C, h, w]: denormalise (z * std + mean, video.md §5.6),
-        decode, clamp to [-1, 1], map to [0, 255] with rounding."""
+        """uint8 frames [B, T, H, W, 3] from latents [B, F, C, h, w]: denormalise (z * std + mean, CausVid
+        wan_wrapper.py:55-65), decode, clamp to [-1, 1], map to [0, 255] with rounding."""
         vae = self.c.vae
         dtype = next(vae.parameters()).dtype
         mean, std = latent_latents_stats(vae, latents.device, torch.float32)

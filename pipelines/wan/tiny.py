@@ -1,4 +1,4 @@
-"""Tiny configurations of the real architecture (video.md §8), for tests and the offline demo.
+"""Tiny configurations of the real architecture, for tests and the offline demo.
 
 Every code path of the 1.3B model at CPU speed: 2 heads x head_dim 32 (RoPE t/h/w = 12/10/10; a power of two
 with head_dim mod 6 = 2, so every codec runs on it, Hadamard rotations and 32-channel value groups included), 2 layers,
@@ -6,10 +6,11 @@ a non-square 2x3 token grid (latents 4x6, pixels 32x48), chunk- and frame-wise b
 the 1.3B layout (dim_mult [1,2,4,4], 2 res blocks: the original-format converter stays valid), a small umT5 encoder and
 a character-level tokenizer built with `tokenizers` (no sentencepiece model to download). Weights are drawn from a
 private generator with fan-in scaling so activations are O(1) and the head is not zero (the original zero-inits it,
-video.md §2.1). `kv_sensitive=True` (what `mmkv demo` uses) rescales that init so the output depends on attention
-over past frames and KV compression shows (`kv_sensitive_`). `write_tiny_base` writes a base directory in either
-layout; `write_causvid_checkpoint`, `write_causal_forcing_checkpoint` and `write_self_forcing_checkpoint` write the
-DiT in the three training-checkpoint wrappers (§5.3-5.4; Self-Forcing's `trainer/distillation.py` `save`).
+CausVid causal_model.py:727-749). `kv_sensitive=True` (what `mmkv demo` uses) rescales that init so the output depends
+on attention over past frames and KV compression shows (`kv_sensitive_`). `write_tiny_base` writes a base directory in
+either layout; `write_causvid_checkpoint`, `write_causal_forcing_checkpoint` and `write_self_forcing_checkpoint` write
+the DiT in the three training-checkpoint wrappers (CausVid causvid/train_distillation.py:127-142, Causal Forcing
+trainer/distillation.py:188-210; Self-Forcing's `trainer/distillation.py` `save`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def reinit_(module: torch.nn.Module, seed: int, stream: str) -> torch.nn.Module:
     return module
 
 
-# Gains of `kv_sensitive_`, chosen by measurement (docs/decisions.d/demo_video.md). Full `mmkv demo`, per-codec mean
-# PSNR over 4 prompts: 2-bit caches 25-29 dB and 4-bit 34-42 dB, against 43-47 / 54-58 dB with the plain init.
+# Gains of `kv_sensitive_`, chosen by measurement (docs/perf.md, "The tiny DiT that reads its cache"). Full `mmkv demo`,
+# per-codec mean PSNR over 4 prompts: 2-bit caches 25-29 dB and 4-bit 34-42 dB, against 43-47 / 54-58 dB with the plain
+# init.
 KV_SENSITIVE_GAINS: dict[str, float] = {"qk": 2.0, "self_attn_out": 3.0, "cross_attn_out": 0.5, "ffn_out": 0.5}
 
 
@@ -125,7 +127,7 @@ def tiny_dit(seed: int = 0, config: dict[str, Any] | None = None, *, kv_sensitiv
 
 
 def original_state_dict(transformer) -> dict[str, torch.Tensor]:
-    """The DiT weights under original Wan key names (the inverse of video.md §5.5)."""
+    """The DiT weights under original Wan key names (the inverse of loaders.py's `_DIT_MAP`)."""
     return {dit_key_to_original(k): v.detach().clone() for k, v in transformer.state_dict().items()}
 
 
@@ -143,7 +145,8 @@ def write_causvid_checkpoint(transformer, path: str | Path, *, seed: int = 0) ->
 
 
 def write_causal_forcing_checkpoint(transformer, path: str | Path, *, ema: bool = True) -> Path:
-    """Causal Forcing `.pt`: one entry, `generator_ema` with FSDP path segments, or `generator` (video.md §5.4)."""
+    """Causal Forcing `.pt`: one entry, `generator_ema` with FSDP path segments, or `generator` (its
+    trainer/distillation.py:188-210)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sd = original_state_dict(transformer)
@@ -248,7 +251,7 @@ def vae_diffusers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def t5_transformers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of the umT5 mapping of video.md §5.7 (the tied `encoder.embed_tokens` copy is dropped)."""
+    """Inverse of the umT5 mapping in loaders.py (the tied `encoder.embed_tokens` copy is dropped)."""
     import re
 
     rules = [
