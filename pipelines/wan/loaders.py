@@ -27,6 +27,9 @@ from typing import Any
 import torch
 
 from mmkv.pipelines.common import check_checkpoint_file, check_finite, read_checkpoint_file, sha256_file
+from mmkv.pipelines.wan.keymaps import (  # noqa: F401  (re-exported)
+    dit_key_to_diffusers, dit_key_to_original, expected_original_keys, t5_key_to_original, t5_key_to_transformers,
+)
 
 
 class LoadError(ValueError):
@@ -93,67 +96,6 @@ def _preview(names: Any, n: int = 8) -> str:
     names = sorted(map(str, names))
     more = f", ... ({len(names)} in all)" if len(names) > n else ""
     return ", ".join(names[:n]) + more
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# DiT key mapping, original <-> diffusers (diffusers scripts/convert_wan_to_diffusers.py:31-72; the same table as
-# diffusers' convert_wan_transformer_to_diffusers, which the tests cross-check)
-
-_DIT_MAP = [
-    (r"text_embedding\.0\.(.+)", r"condition_embedder.text_embedder.linear_1.\1"),
-    (r"text_embedding\.2\.(.+)", r"condition_embedder.text_embedder.linear_2.\1"),
-    (r"time_embedding\.0\.(.+)", r"condition_embedder.time_embedder.linear_1.\1"),
-    (r"time_embedding\.2\.(.+)", r"condition_embedder.time_embedder.linear_2.\1"),
-    (r"time_projection\.1\.(.+)", r"condition_embedder.time_proj.\1"),
-    (r"blocks\.(\d+)\.self_attn\.q\.(.+)", r"blocks.\1.attn1.to_q.\2"),
-    (r"blocks\.(\d+)\.self_attn\.k\.(.+)", r"blocks.\1.attn1.to_k.\2"),
-    (r"blocks\.(\d+)\.self_attn\.v\.(.+)", r"blocks.\1.attn1.to_v.\2"),
-    (r"blocks\.(\d+)\.self_attn\.o\.(.+)", r"blocks.\1.attn1.to_out.0.\2"),
-    (r"blocks\.(\d+)\.self_attn\.norm_(q|k)\.(.+)", r"blocks.\1.attn1.norm_\2.\3"),
-    (r"blocks\.(\d+)\.cross_attn\.q\.(.+)", r"blocks.\1.attn2.to_q.\2"),
-    (r"blocks\.(\d+)\.cross_attn\.k\.(.+)", r"blocks.\1.attn2.to_k.\2"),
-    (r"blocks\.(\d+)\.cross_attn\.v\.(.+)", r"blocks.\1.attn2.to_v.\2"),
-    (r"blocks\.(\d+)\.cross_attn\.o\.(.+)", r"blocks.\1.attn2.to_out.0.\2"),
-    (r"blocks\.(\d+)\.cross_attn\.norm_(q|k)\.(.+)", r"blocks.\1.attn2.norm_\2.\3"),
-    (r"blocks\.(\d+)\.norm3\.(.+)", r"blocks.\1.norm2.\2"),  # the cross-attention pre-norm
-    (r"blocks\.(\d+)\.ffn\.0\.(.+)", r"blocks.\1.ffn.net.0.proj.\2"),
-    (r"blocks\.(\d+)\.ffn\.2\.(.+)", r"blocks.\1.ffn.net.2.\2"),
-    (r"blocks\.(\d+)\.modulation", r"blocks.\1.scale_shift_table"),
-    (r"head\.head\.(.+)", r"proj_out.\1"),
-    (r"head\.modulation", r"scale_shift_table"),
-]
-_DIT_FWD = [(re.compile(a + "$"), b) for a, b in _DIT_MAP]
-
-
-_DIT_INV: list[tuple[re.Pattern, str]] = []
-for _orig, _diff in _DIT_MAP:
-    _groups = re.findall(r"\((.*?)\)", _orig)
-    _pat = re.escape(_diff)
-    for _i, _g in enumerate(_groups, start=1):
-        _pat = _pat.replace(re.escape(f"\\{_i}"), f"({_g})")
-    _tmpl = _orig
-    for _i, _g in enumerate(_groups, start=1):
-        _tmpl = _tmpl.replace(f"({_g})", f"\\{_i}", 1)
-    _DIT_INV.append((re.compile(_pat + "$"), _tmpl.replace("\\.", ".")))
-
-
-def dit_key_to_diffusers(key: str) -> str:
-    for pat, tmpl in _DIT_FWD:
-        if pat.match(key):
-            return pat.sub(tmpl, key)
-    return key
-
-
-def dit_key_to_original(key: str) -> str:
-    for pat, tmpl in _DIT_INV:
-        if pat.match(key):
-            return pat.sub(tmpl, key)
-    return key
-
-
-def expected_original_keys(num_layers: int) -> int:
-    """Tensor count of a Wan DiT checkpoint: 27 per block + 15 outside (825 for 30 layers; CausVid causal_model.py)."""
-    return 27 * num_layers + 15
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -386,28 +328,6 @@ def _strict_load(module: torch.nn.Module, sd: dict[str, torch.Tensor], path: Pat
 
 
 # -- umT5 text encoder (CausVid wan_base/modules/t5.py -> transformers UMT5EncoderModel) --
-
-_T5_MAP = [
-    (r"token_embedding\.weight", "shared.weight"),
-    (r"blocks\.(\d+)\.norm1\.weight", r"encoder.block.\1.layer.0.layer_norm.weight"),
-    (r"blocks\.(\d+)\.attn\.(q|k|v|o)\.weight", r"encoder.block.\1.layer.0.SelfAttention.\2.weight"),
-    (r"blocks\.(\d+)\.pos_embedding\.embedding\.weight",
-     r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias.weight"),
-    (r"blocks\.(\d+)\.norm2\.weight", r"encoder.block.\1.layer.1.layer_norm.weight"),
-    (r"blocks\.(\d+)\.ffn\.gate\.0\.weight", r"encoder.block.\1.layer.1.DenseReluDense.wi_0.weight"),
-    (r"blocks\.(\d+)\.ffn\.fc1\.weight", r"encoder.block.\1.layer.1.DenseReluDense.wi_1.weight"),
-    (r"blocks\.(\d+)\.ffn\.fc2\.weight", r"encoder.block.\1.layer.1.DenseReluDense.wo.weight"),
-    (r"norm\.weight", "encoder.final_layer_norm.weight"),
-]
-_T5_FWD = [(re.compile(a + "$"), b) for a, b in _T5_MAP]
-
-
-def t5_key_to_transformers(key: str) -> str:
-    for pat, tmpl in _T5_FWD:
-        if pat.match(key):
-            return pat.sub(tmpl, key)
-    return key
-
 
 def t5_original_config(sd: dict[str, torch.Tensor], path: Path):
     """UMT5Config from the shapes of an original Wan umT5 encoder state dict (CausVid t5.py `umt5_xxl`)."""

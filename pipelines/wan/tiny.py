@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mmkv.codecs.base import private_generator
-from mmkv.pipelines.wan.loaders import dit_key_to_original
+from mmkv.pipelines.wan.keymaps import dit_key_to_original, t5_key_to_original
 
 TINY_DIT: dict[str, Any] = {
     "patch_size": (1, 2, 2),
@@ -127,7 +127,7 @@ def tiny_dit(seed: int = 0, config: dict[str, Any] | None = None, *, kv_sensitiv
 
 
 def original_state_dict(transformer) -> dict[str, torch.Tensor]:
-    """The DiT weights under original Wan key names (the inverse of loaders.py's `_DIT_MAP`)."""
+    """The DiT weights under original Wan key names (the inverse of `mmkv.pipelines.wan.keymaps`' DiT table)."""
     return {dit_key_to_original(k): v.detach().clone() for k, v in transformer.state_dict().items()}
 
 
@@ -251,31 +251,15 @@ def vae_diffusers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def t5_transformers_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of the umT5 mapping in loaders.py (the tied `encoder.embed_tokens` copy is dropped)."""
-    import re
-
-    rules = [
-        (r"shared\.weight", "token_embedding.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.0\.layer_norm\.weight", r"blocks.\1.norm1.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.(q|k|v|o)\.weight", r"blocks.\1.attn.\2.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.weight",
-         r"blocks.\1.pos_embedding.embedding.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.1\.layer_norm\.weight", r"blocks.\1.norm2.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_0\.weight", r"blocks.\1.ffn.gate.0.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_1\.weight", r"blocks.\1.ffn.fc1.weight"),
-        (r"encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wo\.weight", r"blocks.\1.ffn.fc2.weight"),
-        (r"encoder\.final_layer_norm\.weight", "norm.weight"),
-    ]
+    """Inverse of the umT5 mapping (`mmkv.pipelines.wan.keymaps`); the tied `encoder.embed_tokens` copy is dropped."""
     out = {}
     for key, value in sd.items():
         if key == "encoder.embed_tokens.weight":
             continue
-        for pat, tmpl in rules:
-            if re.match(pat + "$", key):
-                out[re.sub(pat + "$", tmpl, key)] = value.detach().clone()
-                break
-        else:
+        name = t5_key_to_original(key)
+        if name is None:
             raise KeyError(f"no original name for umT5 key {key!r}")
+        out[name] = value.detach().clone()
     return out
 
 
