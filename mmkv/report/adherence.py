@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmkv.report.runs import REFERENCE, Measured, Rollout, _load_frames, _load_wav
+from mmkv.report.measure import Measured, _load_frames, _load_wav
+from mmkv.report.runs import REFERENCE, Rollout
 
 ATTRIBUTES = ("colour", "shape", "size", "direction", "speed")
 ONSET_TOLERANCE_S = 0.010  # a codec's onset within 10 ms of the reference's counts as the same event

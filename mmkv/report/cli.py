@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     from mmkv.metrics.video import resolve_device
     from mmkv.report import summary as S
     from mmkv.io import atomic_write_text
-    from mmkv.report.runs import LpipsChoice, Measurer, measure_all, read_runs
+    from mmkv.report.measure import LpipsChoice, Measurer, measure_all
+    from mmkv.report.runs import read_runs
 
     try:
         device = resolve_device(args.device)
