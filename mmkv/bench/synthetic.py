@@ -26,23 +26,25 @@ each (two OpenMP threads per op were 2-3x slower than one on the contended box).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mmkv.codecs.base import Codec
+from mmkv.bench.synthetic_output import (  # noqa: F401
+    _COLUMNS, _table, render_markdown, tables, write_csv, write_json, write_plot,
+)
+from mmkv.bench.synthetic_probe import (  # noqa: F401
+    ROW_FIELDS, Protocol, _gen, _mean_se, _scores, encode_seeds, measure_needle, measure_reconstruction,
+    needle_data, needle_mass_from_scores, reconstruction_data,
+)
 from mmkv.codecs.config import CodecConfig, CodecError
-from mmkv.codecs.encoded import Encoded
 from mmkv.codecs.registry import build, get_codec_class, names
-from mmkv.codecs.seeds import derive_seed
 
 # Codecs left out of the default run: the byte-exact baseline.
 EXCLUDED_BY_DEFAULT = ("identity",)
@@ -62,128 +64,6 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # QVG (a span codec) at its released per-chunk setting; the probe's 1024 (2049) keys per seed form one span.
     "qvg": ("qvg:bits={b}",),
 }
-
-ROW_FIELDS = (
-    "section", "codec", "config", "bits", "effective_bits", "mse", "mse_se", "cosine", "ip_error", "ip_error_se",
-    "ip_bias", "needle_mass", "needle_mass_se", "dim", "seeds", "needle_seeds", "delta", "b_dir", "b_nrm", "matches",
-)
-
-
-@dataclass(frozen=True)
-class Protocol:
-    dim: int = 128
-    seeds: int = 64
-    keys: int = 1024
-    queries: int = 16
-    needle_tokens: int = 2048  # distractors; the needle makes T + 1 keys
-    needle_seeds: int = 128
-    needle_noise: float = 0.1
-    seed: int = 0
-    device: str = "cpu"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Data (private generators only; never the global RNG)
-
-
-def _gen(p: Protocol, *keys: Any) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(derive_seed(p.seed, "bench-synthetic", p.dim, *keys))
-    return g
-
-
-def reconstruction_data(p: Protocol) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [S, n, d] and queries [S, m, d], i.i.d. N(0, 1), one private generator per seed."""
-    ks, qs = [], []
-    for s in range(p.seeds):
-        g = _gen(p, "keys", s)
-        ks.append(torch.randn(p.keys, p.dim, generator=g))
-        qs.append(torch.randn(p.queries, p.dim, generator=g))
-    return torch.stack(ks).to(p.device), torch.stack(qs).to(p.device)
-
-
-def needle_data(p: Protocol) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys [S, T+1, d] with norm sqrt(d), queries [S, 1, d] (needle + 10% relative noise), needle positions [S]."""
-    ks, qs, pos = [], [], []
-    t = p.needle_tokens + 1
-    for s in range(p.needle_seeds):
-        g = _gen(p, "needle", s)
-        k = torch.randn(t, p.dim, generator=g)
-        k = k * (math.sqrt(p.dim) / k.norm(dim=-1, keepdim=True))
-        j = int(torch.randint(0, t, (1,), generator=g))
-        z = torch.randn(p.dim, generator=g)
-        q = k[j] + p.needle_noise * k[j].norm() * z / z.norm()
-        ks.append(k)
-        qs.append(q[None])
-        pos.append(j)
-    return torch.stack(ks).to(p.device), torch.stack(qs).to(p.device), torch.tensor(pos, device=p.device)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Running a codec over many seeds
-
-
-def encode_seeds(config: CodecConfig, x: torch.Tensor, p: Protocol, section: str):
-    """Yield (codec, encoded, seed) for each seed s of x[S, T, d]: one single-head codec per seed, built with
-    seed = derive_seed(--seed, section, s), so every seed has its own rotation (and sketch, and k-means init)."""
-    for s in range(x.shape[0]):
-        codec = build(config, head_dim=p.dim, seed=derive_seed(p.seed, section, s))
-        yield codec, codec.encode(x[s]), s
-
-
-def _scores(codec: Codec, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
-    """q[m, d] -> the codec's own score estimates [m, T] (fp32)."""
-    return codec.scores(q, enc).float()
-
-
-def _mean_se(values: torch.Tensor) -> tuple[float, float | None]:
-    """Mean over seeds and its standard error (None from a single seed)."""
-    v = values.double()
-    se = float(v.std(unbiased=True) / math.sqrt(v.numel())) if v.numel() > 1 else None
-    return float(v.mean()), se
-
-
-def measure_reconstruction(config: CodecConfig, keys: torch.Tensor, queries: torch.Tensor, p: Protocol) -> dict:
-    mse, cos, ip, bias = [], [], [], []
-    nbytes = numel = 0
-    for codec, enc, s in encode_seeds(config, keys, p, "reconstruction"):
-        k, q = keys[s], queries[s]
-        k_hat = codec.decode(enc, dtype=torch.float32)
-        nbytes += codec.nbytes(enc)
-        numel += k.numel()
-        mse.append((((k - k_hat) ** 2).sum(-1) / (k**2).sum(-1)).mean(-1))
-        cos.append(torch.nn.functional.cosine_similarity(k, k_hat, dim=-1, eps=1e-30).mean(-1))
-        err = _scores(codec, q, enc) - q @ k.transpose(-1, -2)
-        ip.append(err.abs().mean())
-        bias.append(err.mean())
-    mse_m, mse_se = _mean_se(torch.stack(mse))
-    ip_m, ip_se = _mean_se(torch.stack(ip))
-    return {
-        "effective_bits": 8.0 * nbytes / numel,
-        "mse": mse_m,
-        "mse_se": mse_se,
-        "cosine": float(torch.stack(cos).double().mean()),
-        "ip_error": ip_m,
-        "ip_error_se": ip_se,
-        "ip_bias": float(torch.stack(bias).double().mean()),
-    }
-
-
-def needle_mass_from_scores(scores: torch.Tensor, pos: torch.Tensor, dim: int) -> torch.Tensor:
-    """scores [S, 1, T+1] (q.k estimates) -> softmax mass on the needle per seed, logits q.k / sqrt(d)."""
-    probs = torch.softmax(scores.double() / math.sqrt(dim), dim=-1)[:, 0, :]
-    return probs.gather(-1, pos.view(-1, 1))[:, 0]
-
-
-def measure_needle(config: CodecConfig | None, keys: torch.Tensor, queries: torch.Tensor, pos: torch.Tensor,
-                   p: Protocol) -> tuple[float, float]:
-    """Mean (and standard error) softmax mass on the needle; `config=None` is the exact fp32 baseline."""
-    if config is None:
-        return _mean_se(needle_mass_from_scores(queries @ keys.transpose(-1, -2), pos, p.dim))
-    masses = []
-    for codec, enc, s in encode_seeds(config, keys, p, "needle"):
-        masses.append(needle_mass_from_scores(_scores(codec, queries[s], enc)[None], pos[s : s + 1], p.dim))
-    return _mean_se(torch.cat(masses))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -357,136 +237,6 @@ def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: boo
             row["needle_seeds"] = p.needle_seeds
         rows.append(row)
     return rows
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Output
-
-
-# (field, header, format) of every row field; `show=False` fields go to CSV/JSON only.
-_COLUMNS: dict[str, tuple[str, str]] = {
-    "section": ("section", "{}"), "codec": ("codec", "{}"), "config": ("config", "{}"), "bits": ("b", "{}"),
-    "effective_bits": ("eff. bits", "{:.3f}"), "mse": ("MSE", "{:.4f}"), "mse_se": ("MSE s.e.", "{:.1e}"),
-    "cosine": ("cosine", "{:.4f}"), "ip_error": ("IP error", "{:.3f}"), "ip_error_se": ("IP s.e.", "{:.1e}"),
-    "ip_bias": ("IP bias", "{:+.3f}"), "needle_mass": ("needle", "{:.3f}"), "needle_mass_se": ("needle s.e.", "{:.1e}"),
-    "dim": ("d", "{}"), "seeds": ("seeds", "{}"), "needle_seeds": ("needle seeds", "{}"), "delta": ("δ", "{:+d}"),
-    "b_dir": ("b_dir", "{}"), "b_nrm": ("b_nrm", "{}"), "matches": ("matches", "{}"),
-}
-
-
-def _table(name: str, title: str, rows: list[dict], shown: list[str], notes: list[str] | None = None):
-    from mmkv.report.tables import Column, Table
-
-    fields = shown + [f for f in ROW_FIELDS if f not in shown]
-    columns = [Column(f, (_COLUMNS[f][0],), _COLUMNS[f][1], show=f in shown) for f in fields]
-    return Table(name, title, columns, [[r.get(f) for f in fields] for r in rows], notes=list(notes or []))
-
-
-def tables(rows: list[dict], p: Protocol, notes: list[str] | None = None) -> list:
-    """The report tables (`mmkv.report.tables.Table`): matched nominal b, the App. D sweep, the iso-rate rows."""
-    main = ["codec", "config", "bits", "effective_bits", "mse", "cosine", "ip_error", "needle_mass"]
-    t1 = sorted((r for r in rows if r["section"] == "table1"),
-                key=lambda r: (r["codec"] != "fp32", r["bits"] is None, r["bits"] or 0, r["codec"], r["config"]))
-    out = [_table(
-        "synthetic", f"Synthetic probe (OCTOPUS 4.1), d={p.dim}: {p.keys} N(0,I) keys x {p.queries} queries x "
-        f"{p.seeds} seeds; needle: 1 in T={p.needle_tokens} distractors x {p.needle_seeds} seeds", t1, main,
-        ["eff. bits: measured from the stored bytes, side information included.",
-         "IP error: mean |q.k - score| with the codec's own estimator; needle: softmax mass on the needle."]
-        + [f"{n}: a span codec; its per-span tables are amortised over one seed's {p.keys} keys ({p.needle_tokens + 1} "
-           f"in the needle), not over the longer spans it is designed for" for n in sorted(
-               {r["codec"] for r in t1 if r["codec"] in names() and get_codec_class(r["codec"]).span_codec})]
-        + list(notes or []))]
-    sw = [r for r in rows if r["section"] == "sweep"]
-    if sw:
-        out.append(_table("synthetic_sweep", "OCTOPUS bit-allocation sweep (App. D): (b_dir, b_nrm) = (b+δ, b-δ), "
-                          "no joint rounding; the rate moves with δ", sw,
-                          ["bits", "delta", "b_dir", "b_nrm", "effective_bits", "mse", "cosine", "ip_error"]))
-    iso = [r for r in rows if r["section"] == "iso-rate"]
-    if iso:
-        out.append(_table("synthetic_iso_rate", "Iso-rate: TurboQuant-MSE with `hi` channels at b+1 bits, at each "
-                          "OCTOPUS point's effective bits", iso,
-                          ["bits", "matches", "config", "effective_bits", "mse", "cosine", "ip_error", "needle_mass"]))
-    return out
-
-
-def render_markdown(rows: list[dict], p: Protocol, seconds: float | None = None, notes: list[str] | None = None) -> str:
-    from mmkv.report.tables import to_markdown
-
-    text = "\n".join(to_markdown(t) for t in tables(rows, p, notes))
-    if seconds is not None:
-        text += f"\nRuntime: {seconds:.1f} s\n"
-    return text
-
-
-def write_json(rows: list[dict], path: Path) -> None:
-    """A JSON list of rows (every `ROW_FIELDS` key; non-finite numbers as strings, the table writer's convention)."""
-    from mmkv.io import atomic_write_text
-    from mmkv.report.tables import to_dict
-
-    records = to_dict(_table("synthetic_all", "all rows", rows, list(ROW_FIELDS)))["rows"]
-    atomic_write_text(path, json.dumps(records, indent=1, ensure_ascii=False) + "\n")
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    """All rows in one CSV, columns `ROW_FIELDS`."""
-    from mmkv.io import atomic_write_text
-    from mmkv.report.tables import to_csv
-
-    atomic_write_text(path, to_csv(_table("synthetic_all", "all rows", rows, list(ROW_FIELDS))))
-
-
-def write_plot(rows: list[dict], path: Path, p: Protocol) -> None:
-    """MSE (log) and needle mass against measured effective bits, one series per codec (and per section)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from mmkv.io import atomic_path
-
-    fig, (ax_m, ax_n) = plt.subplots(1, 2, figsize=(13, 5.2))
-    series: dict[str, list[dict]] = {}
-    for r in rows:
-        if r["codec"] == "fp32":
-            continue
-        label = r["codec"] if r["section"] == "table1" else f"{r['codec']} ({r['section']})"
-        if r["codec"] == "octopus" and r["section"] == "table1":
-            label = "octopus joint" if "joint=1" in r["config"] else "octopus"
-        series.setdefault(label, []).append(r)
-    colors = plt.get_cmap("tab20").colors
-    for i, (label, rs) in enumerate(sorted(series.items())):
-        style = dict(color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], marker="osD^v<>ph*"[i % 10], ms=4,
-                     ls="--" if "iso-rate" in label else "-")
-        # A sweep is one curve per b (delta runs along it); everything else one curve along its bits.
-        groups = [[r for r in rs if r["bits"] == b] for b in sorted({r["bits"] for r in rs})] if "sweep" in label \
-            else [rs]
-        if "sweep" in label:
-            style["ls"] = ":"
-        for j, g in enumerate(groups):
-            g = sorted(g, key=lambda r: r["effective_bits"])
-            kw = dict(style, label=label if j == 0 else None)
-            ax_m.plot([r["effective_bits"] for r in g], [max(r["mse"], 1e-12) for r in g], **kw)
-            nd = [r for r in g if r["needle_mass"] is not None]
-            if nd:
-                ax_n.plot([r["effective_bits"] for r in nd], [r["needle_mass"] for r in nd], **kw)
-    fp32 = [r for r in rows if r["codec"] == "fp32"]
-    if fp32:
-        ax_n.axhline(fp32[0]["needle_mass"], color="k", lw=0.8, ls="--", label="fp32")
-    ax_m.set_yscale("log")
-    ax_m.set_ylabel("MSE  ||k - k_hat||^2 / ||k||^2")
-    ax_n.set_ylabel("softmax mass on the needle")
-    ax_m.set_title(f"reconstruction, d={p.dim}, {p.seeds} seeds")
-    ax_n.set_title(f"needle, T={p.needle_tokens}, {p.needle_seeds} seeds")
-    for ax in (ax_m, ax_n):
-        ax.set_xlabel("effective bits per coordinate (measured)")
-        ax.grid(alpha=0.3)
-    ax_m.legend(fontsize=7, loc="upper right", ncol=2)
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format=(path.suffix.lstrip(".") or "png"))
-    finally:
-        plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------------------
