@@ -1,7 +1,9 @@
 """What every fused decode-attention kernel (`kernels/<codec>_attn.py`) shares: split-K planning, the min-max value
 tile, the online softmax, the log-sum-exp combine, rotations of the query and the output, and the fallbacks.
 
-Design (oscar.md §4.1-4.2, ecosystem.md D2-D4, codecs.md §1.3). One program attends ONE query row of one (batch,
+Design (OScaR's fused decode kernel, `csrc/oscar/src/flash_fwd_kernel.h`, forked from BitDecoding; the
+Flash-Decoding split-K reduction; attention through a rotation as in TurboQuant and OCTOPUS: docs/decisions.md,
+"Fused decode attention"). One program attends ONE query row of one (batch,
 query head) over one split of one encoded segment's tokens, reading only packed bytes:
 
 * keys are scored straight from their codes (in the rotated domain for the rotation codecs: the query is rotated once
@@ -15,7 +17,8 @@ query head) over one split of one encoded segment's tokens, reading only packed 
 * splits write (out, lse) partials; one combine launch merges splits and segments exactly by log-sum-exp.
 
 Queries are CUDA-core GEMV work at decode (Lq = 1, no GQA group to fill a tensor-core tile); blocks of more than
-`MAX_FUSED_QUERIES` rows are compute-bound and go through decode-to-bf16 + flash attention instead (ecosystem.md D4).
+`MAX_FUSED_QUERIES` rows are compute-bound and go through decode-to-bf16 + flash attention instead (a Wan 1.3B video chunk is 1,560 query tokens a
+latent frame: compute-bound; docs/perf.md).
 
 Packed code planes are dense little-endian bit streams per (batch, head) row (`mmkv.codecs.packing`). Widths that
 divide 16 are read as int32 words of two half-words of 16 // w codes ("half" units); other widths <= 8 as w-byte
@@ -38,7 +41,7 @@ from mmkv.kernels.attn_splitk_triton import (  # noqa: F401
 )
 
 # Query rows above which the fused path loses to decode + flash attention (one program per row re-dequantises the
-# tile for each row; flash attention is compute-bound at video chunk sizes, ecosystem.md D4).
+# tile for each row; flash attention is compute-bound at video chunk sizes; docs/perf.md).
 MAX_FUSED_QUERIES = 4
 LOG2E = 1.4426950408889634
 # Programs to aim for per multiprocessor when choosing the split count (enough loads in flight to cover latency).
@@ -278,7 +281,7 @@ def _flash_ok(q: torch.Tensor) -> bool:
 
 def decode_flash_lse(q: torch.Tensor, segments: Sequence, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Long query blocks: decode the past once into the query dtype (the codec's decode, Triton where registered)
-    and run flash attention, which returns the LSE (ecosystem.md D4: the video chunk regime is compute-bound)."""
+    and run flash attention, which returns the LSE (the video chunk regime is compute-bound; docs/perf.md)."""
     from mmkv import attention
 
     if not _flash_ok(q):

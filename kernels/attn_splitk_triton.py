@@ -192,7 +192,7 @@ def split_tiles(tile0, tiles_per_split, T, BLOCK_N: tl.constexpr):
 @triton.jit
 def _combine_kernel(out_part, lse_part, out, lse, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge S (out, lse) partials of one query row exactly: lse = log sum exp lse_s, out = sum exp(lse_s - lse) out_s
-    (the Flash-Decoding reduction, ecosystem.md D2). Two passes over S in chunks of BLOCK_S."""
+    (the Flash-Decoding reduction, Dao et al. 2023). Two passes over S in chunks of BLOCK_S."""
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     mx = tl.full([], float("-inf"), tl.float32)

@@ -1,5 +1,5 @@
-"""`mmkv bench synthetic` against the numbers it must reproduce (OCTOPUS 4.1 / Table 1, TurboQuant Theorem 1,
-codecs.md 6.1-6.3), at fewer seeds than the default run and with tolerances widened to match; plus its outputs."""
+"""`mmkv bench synthetic` against the numbers it must reproduce (OCTOPUS section 4.1 / Table 1 and Appendices
+D-E, TurboQuant Theorem 1), at fewer seeds than the default run and with tolerances widened to match; plus its outputs."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_octopus_table1_no_joint(recon):
     assert b2["ip_error"] == pytest.approx(2.682, abs=0.05)
     assert b4["mse"] == pytest.approx(0.0071, abs=0.0003)
     assert b4["ip_error"] == pytest.approx(0.753, abs=0.02)
-    # Measured bits = codecs.md 5.5: ((3b+1) * ceil(d/3) + 32) / d.
+    # Measured bits (OCTOPUS section 3: 3b+1 bits a triplet, fp32 norm): ((3b+1) * ceil(d/3) + 32) / d.
     assert b2["effective_bits"] == pytest.approx((7 * 43 + 32) / 128)
     assert b4["effective_bits"] == pytest.approx((13 * 43 + 32) / 128)
 
@@ -82,7 +82,8 @@ def test_turboquant_mse_table1_and_theorem1(recon):
     assert recon("turboquant-mse:b=2")["mse"] == pytest.approx(0.1161, abs=0.002)
     assert recon("turboquant-mse:b=4")["mse"] == pytest.approx(0.0094, abs=0.0003)
     # Theorem 1's D_mse "0.36 / 0.117 / 0.03 / 0.009" are rounded; the exact Lloyd-Max optimum of the d=128 Beta
-    # marginal is 0.36089 / 0.11600 / 0.03397 / 0.00931 (codecs.md 2.5), which rounds to those. Within 3% of it.
+    # marginal is 0.36089 / 0.11600 / 0.03397 / 0.00931 (quadrature on the Lemma 1 density, mmkv/codecs/lloyd.py),
+    # which rounds to those. Within 3% of it.
     for b, d_mse in zip((1, 2, 3, 4), (0.36089, 0.11600, 0.03397, 0.00931)):
         mse = recon(f"turboquant-mse:b={b}")["mse"]
         assert mse == pytest.approx(d_mse, rel=0.03), (b, mse)

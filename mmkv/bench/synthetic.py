@@ -1,7 +1,7 @@
 """`mmkv bench synthetic`: the OCTOPUS section 4.1 synthetic probe, its App. D bit-allocation sweep, and an iso-rate
 TurboQuant baseline the papers do not run.
 
-Protocol (OCTOPUS seed section 4.1; codecs.md section 6.0):
+Protocol (the OCTOPUS paper, section 4.1 and Table 1):
 - reconstruction: per seed, n = 1024 keys and 16 queries drawn from N(0, I_d); per codec, MSE = mean
   ||k - k_hat||^2 / ||k||^2, cosine = mean cos(k, k_hat), IP error = mean |q.k - score(q, k)| over all query-key pairs
   with the codec's own score estimator (`Codec.scores`: the QJL estimators for the QJL family, q.k_hat otherwise);
@@ -12,10 +12,11 @@ Protocol (OCTOPUS seed section 4.1; codecs.md section 6.0):
 - App. D sweep: OCTOPUS at (b_dir, b_nrm) = (b + delta, b - delta), delta in -2..2, around each b; the total rate moves
   with delta (3b + delta bits per triplet), so each row carries its measured effective bits.
 - iso-rate: TurboQuant-MSE with `hi` of its d rotated coordinates at one more bit, `hi` chosen so that its measured
-  effective bits equal each default OCTOPUS point's (codecs.md section 6.4, A1).
+  effective bits equal each default OCTOPUS point's: codecs are compared at equal measured bits, not equal
+  nominal b (TurboQuant's own 2.5-bit outlier split already mixes two widths; docs/decisions.md, "Which presets").
 
 Seeds and speed: seed s of each section gets its own single-head codec built with seed = derive_seed(--seed, section,
-s), hence its own rotation (codecs.md A3), sketch or k-means init; data come from private generators keyed by the
+s), hence its own rotation (a seeded randomised Hadamard transform), sketch or k-means init; data come from private generators keyed by the
 seed, so seed s sees the same keys whatever --seeds is. We measured the alternatives on 2 shared cores: stacking seeds
 on the head axis (dim -3) in chunks of 8 was ~1.5x slower than one seed per call (temporaries above glibc's 32 MB mmap
 threshold page-fault on every call), and would need care for OScaR (one token norm over all heads) and PolarQuant (one
@@ -112,7 +113,7 @@ def canonical(cfg: CodecConfig) -> str:
 
 def iso_rate_config(target_bits: float, p: Protocol) -> CodecConfig:
     """TurboQuant-MSE mixing b_lo and b_lo + 1 bits over channels (`hi` channels at b_lo + 1) whose measured effective
-    bits come closest to `target_bits` (codecs.md section 6.4)."""
+    bits come closest to `target_bits` (the iso-rate rows)."""
     # Measured on as many tokens as the probe encodes per seed, so row padding is accounted as in the run.
     probe = torch.randn(1, p.keys, p.dim, generator=torch.Generator().manual_seed(0))
     best: tuple[float, CodecConfig] | None = None

@@ -192,7 +192,7 @@ def _adherence_notes(s: Summary, groups: list[Group], per_block: bool) -> list[s
 
 
 def windows_table(s: Summary) -> Table | None:
-    """Windowed means (issue 7): μ over items of each video's mean over [a, b) seconds, per metric and window."""
+    """Windowed means: μ over items of each video's mean over [a, b) seconds, per metric and window."""
     video = [g for g in s.groups if g.kind == "video"]
     if not video:
         return None
