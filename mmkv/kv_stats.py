@@ -1,13 +1,6 @@
 """The KV statistics of `mmkv inspect kv` (kv_stats.json + kv_stats.png), per layer and head; the command line is
 `mmkv.inspect`.
 
-    mmkv inspect kv --model causvid --ckpt CKPT --base WAN_DIR --prompt "A red fox runs through snow." --out DIR
-    mmkv inspect kv --model causvid --random-init --base WAN_DIR --prompt "A red fox" --out DIR  # random baseline
-    mmkv inspect kv --model causvid --random-init --prompt "A red fox" --out DIR   # offline: the tests' tiny DiT
-    mmkv inspect kv --aar AAR_DIR --clap CLAP_DIR --clip dog.wav --out DIR        # audio, as `mmkv compare audio`
-    mmkv inspect kv --aar AAR_DIR --embeddings EMB.safetensors --clip-index 3 --out DIR
-    mmkv inspect kv --model aar --random-init --out DIR      # offline: the tiny random AAR, a seeded random condition
-
 Which codec wins depends on the statistics of the cache it compresses; these are the ones the codec papers argue
 from, measured over the committed K / V (the clean pass of every block, what later blocks read) of one rollout with
 an uncompressed cache and global attention:

@@ -14,23 +14,10 @@ import numpy as np
 from mmkv.io import atomic_write_text
 from mmkv.metrics.video import LPIPSWeightsNotFound
 
-REFERENCE = "reference"
-ROLLOUT_FILE = "rollout.json"
-FAILED_FILE = "failed.json"  # instead of rollout.json: the rollout ran but its outputs are unusable (e.g. NaN)
-METRICS_FILE = "metrics.json"
-METRICS_VERSION = 1
-# role -> default file name; `files` in rollout.json may name them differently
-FILES = {
-    "video": {"frames": "frames.npy", "latents": "latents.safetensors", "video": "video.mp4"},
-    "audio": {"audio": "audio.wav", "latent": "latent.safetensors", "tokens": "tokens.safetensors"},
-}
-REQUIRED = {"video": "frames", "audio": "audio"}  # what metrics cannot do without
-TENSOR_KEYS = {"latents": "latents", "latent": "latent", "tokens": "tokens"}
-# A codec rollout is comparable with its reference only if these agree (where both record them): same initial
-# noise, same conditioning.
-SAME_AS_REFERENCE = ("noise_sha256", "condition_sha256")
 
-from mmkv.report.runs import Rollout, RunSet, from_jsonable, pair_rollouts, to_jsonable
+from mmkv.report.runs import (
+    ROLLOUT_FILE, METRICS_FILE, METRICS_VERSION, FILES, TENSOR_KEYS, Rollout, RunSet, from_jsonable, pair_rollouts, to_jsonable,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,17 +1,6 @@
-"""From measured pairs to the numbers a paper prints: per (model, codec preset), min / mean / max of each metric
-across items, measured KV× and effective bits, windowed means and per-frame curves; then the Table-3-shaped tables.
-
-Aggregation is order-free (values are sorted by item before any sum), so a run split over torchrun shards, or over
-several run folders, gives exactly the report of the same run unsplit. Codecs are ranked on equal footing: within a
-model, every statistic is taken over the items that every codec has; where codecs cover different items, the ones
-left out are named in the tables' notes, in csv/json columns and as a problem line (and where no item is common to
-all codecs, each codec's own items are used and nothing is ranked).
-
-Where prompts are procedural captions, each cell also holds the adherence and consistency (audio: adherence and
-onset agreement with the reference) of its rollouts (`mmkv.report.adherence`), and the reference, scored the same
-way, gets a row of its own that is never ranked.
+"""The Table-3-shaped tables the report prints, drawn from the aggregation in `mmkv.report.aggregate` (whose
+docstring says how items are matched across codecs and shards).
 """
-
 
 from __future__ import annotations
 
