@@ -1,4 +1,4 @@
-"""OCTOPUS and OCTOPUS-QJL (codecs.md sections 5-6, OCTOPUS seed section 3): codebooks, storage, quality, estimator."""
+"""OCTOPUS and OCTOPUS-QJL (OCTOPUS paper, sections 3 and 4.1): codebooks, storage, quality, estimator."""
 
 import json
 import math
@@ -12,7 +12,8 @@ from mmkv.codecs import octopus as oct_mod
 from mmkv.codecs.base import private_generator
 from mmkv.codecs.lloyd import quantizer_mse
 
-# codecs.md 5.4 reference codebooks (pooled, implementation-matched, 100k vectors). d = 128: positive half of C_xi.
+# Reference codebooks (OCTOPUS paper, section 3.4; pooled, implementation-matched, 100k vectors).
+# d = 128: positive half of C_xi.
 SPEC_XI = {
     (128, 3): [0.14420, 0.38536, 0.61701, 0.85757],
     (128, 4): [0.07199, 0.20211, 0.32397, 0.44182, 0.55870, 0.67647, 0.79814, 0.92805],
@@ -61,7 +62,7 @@ def test_xi_codebook_matches_spec_table(d, bits):
     np.testing.assert_allclose(ours, SPEC_XI[(d, bits)], atol=XI_TOL[(d, bits)], rtol=0)
     if d == 128:  # symmetric to ~1e-3 at d = 128 (d mod 3 = 2), and not symmetrised by us
         assert np.abs(c + c[::-1]).max() < 2e-3
-    else:  # d = 64: the padded triplet's point masses make the optimum lopsided (codecs.md 5.4)
+    else:  # d = 64: the padded triplet's point masses make the optimum lopsided (paper section 3.4)
         assert np.abs(c + c[::-1]).max() > 0.02
 
 
@@ -261,7 +262,7 @@ def test_zero_vectors_decode_to_zero(preset):
 
 
 def _table1(preset, seeds=8, d=128):
-    """codecs.md 6.0 / seed 4.1: n = 1024 Gaussian keys per seed, a fresh codec seed each; returns (relative MSE,
+    """OCTOPUS paper, section 4.1: n = 1024 Gaussian keys per seed, a fresh codec seed each; returns (relative MSE,
     IP error). The IP error E|q.k - q.k_hat| over Gaussian queries q ~ N(0, I) is exactly sqrt(2/pi) ||k - k_hat||,
     so it is taken in closed form rather than over 16 sampled queries, whose norms alone make an 8-seed mean wander
     by +-0.02 at b = 2 (the 64-seed, 16-query estimate of this codec is 2.697 +- 0.007)."""
