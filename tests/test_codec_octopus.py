@@ -26,7 +26,7 @@ SPEC_XI = {
               -0.33969, -0.27654, -0.21183, -0.14520, -0.07531, -0.00123, 0.06823, 0.13407, 0.19695, 0.25770, 0.31696,
               0.37530, 0.43315, 0.49083, 0.54876, 0.60705, 0.66589, 0.72545, 0.78629, 0.84945, 0.91566, 0.98527],
 }
-# Entry-wise tolerance: 1e-3 as the spec asks, except where Monte-Carlo noise of a 100k-vector reference is itself
+# Entry-wise tolerance: 1e-3, except where Monte-Carlo noise of a 100k-vector reference is itself
 # larger (many levels on a near-flat density: two independent 100k-vector draws differ by up to ~3e-3 there; see
 # docs/decisions.md). Those codebooks are also held to equal distortion below.
 XI_TOL = {(128, 3): 1e-3, (128, 4): 1e-3, (128, 5): 2e-3, (64, 3): 1e-3, (64, 4): 3e-3, (64, 5): 3e-3}
@@ -79,7 +79,7 @@ def test_rho_constant_for_zero_bits_is_pooled_mean(d):
 
 
 def test_xi_codebooks_have_the_reference_distortion():
-    """On fresh pooled xi samples (independent of training), ours and the spec's lists quantise equally well."""
+    """On fresh pooled xi samples (independent of training), ours and the reference lists quantise equally well."""
     for d in (128, 64):
         g = np.random.default_rng(12345 + d)
         u = g.standard_normal((6000, d))
@@ -300,7 +300,8 @@ def test_joint_rounding_lowers_mse_5_to_10_percent(b):
 
 
 def test_bit_split_override_and_optimality():
-    """App. D analogue: (b+1, b-1) beats the uniform (b, b) split by 31-41% (seed 3.3) and (b+2, b-2) too (d=128, b=3)."""
+    """OCTOPUS paper App. D analogue: (b+1, b-1) beats the uniform (b, b) split by 31-41% (section 3.3) and
+    (b+2, b-2) too (d=128, b=3)."""
     k = _keys(1024, 128, "split")
     mse = {}
     for dir_bits, rho_bits in ((4, 2), (3, 3), (5, 1)):

@@ -50,11 +50,11 @@ def test_codebook_matches_spec_table(d, b):
     half, dc = SPEC_CODEBOOKS[d][b]
     assert c.shape == (2**b,) and np.all(np.diff(c) > 0)
     assert np.array_equal(c, -c[::-1])  # exactly symmetric
-    np.testing.assert_allclose(c[2 ** (b - 1) :], half, atol=1e-5)  # spec prints 6 decimals; brief asks 1e-3
+    np.testing.assert_allclose(c[2 ** (b - 1) :], half, atol=1e-5)  # 6 printed decimals
     # d*C(f_X, b) by quadrature on the Lemma-1 density (Theorem 1's D_mse).
     edges = np.linspace(-1, 1, 400_001)
     mid = 0.5 * (edges[1:] + edges[:-1])
-    assert d * quantizer_mse(mid, c, beta_pdf(d)(mid)) == pytest.approx(dc, abs=1e-5)  # spec prints 5 decimals
+    assert d * quantizer_mse(mid, c, beta_pdf(d)(mid)) == pytest.approx(dc, abs=1e-5)  # 5 printed decimals
 
 
 def test_codebook_file_has_every_key_and_regenerates_within_tolerance():
@@ -216,7 +216,7 @@ def test_fp16_norm_costs_16_bits_and_overflows_loudly():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reduced OCTOPUS Table 1 (seed 4.1: n = 1024 Gaussian keys, 16 queries, d = 128; 4 seeds instead of 64)
+# Reduced OCTOPUS Table 1 (paper section 4.1: n = 1024 Gaussian keys, 16 queries, d = 128; 4 seeds instead of 64)
 
 
 def _table1(preset, seeds=4):
