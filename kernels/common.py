@@ -88,7 +88,7 @@ def device_tables(codec, device: torch.device, key: str, build: Callable[[], dic
 
 
 def boundaries(centroids: torch.Tensor) -> torch.Tensor:
-    """Cell boundaries t_i = (c_i + c_{i+1}) / 2 in fp32, computed exactly as the references do (codecs.md 1.2)."""
+    """Cell boundaries t_i = (c_i + c_{i+1}) / 2 in fp32, computed exactly as the references do (TurboQuant eq. 4)."""
     c = centroids.to(torch.float32)
     return 0.5 * (c[1:] + c[:-1])
 

@@ -1,5 +1,5 @@
 """Asymmetric min-max group quantisation + pack, the kernel twin of `mmkv.codecs.groupquant.encode_minmax` (the one
-quantiser of the min-max family: groupquant, KIVI, OScaR; codecs.md A9, oscar.md 2.6 and 3).
+quantiser of the min-max family: groupquant, KIVI, OScaR; after `amirzandieh/QJL`, OScaR's `qpack.h`).
 
 One program takes BT tokens x D channels of one row: optionally OScaR's rotation H x and division by the token norm,
 then per group (G channels of a token, or G tokens of a channel) min and max, s = (max - min)/(2^b - 1) rounded to the
@@ -37,9 +37,9 @@ def _minmax_encode_kernel(
     valid = (tt < n_tok)[:, None] & (jj < D)[None, :]
     x = tl.load(x_ptr + row64 * T * D + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :], mask=valid, other=0.0)
     x = x.to(tl.float32)
-    if ROTATE:  # OScaR's canalized rotation, no signs (oscar.md 2.4)
+    if ROTATE:  # OScaR's canalized rotation, no signs (OScaR's `k_preprocess.cu`)
         x = fwht_lanes(x, BT, DP) * rscale
-    if NORM:  # omni-token scaling: one norm per token over all KV heads (oscar.md 2.5)
+    if NORM:  # omni-token scaling: one norm per token over all KV heads (OScaR's `k_preprocess.cu`)
         n = tl.load(norm_ptr + (row // NH).to(tl.int64) * T + t0 + tt, mask=tt < n_tok, other=1.0)
         x = tl.math.div_rn(x, n[:, None])
     if CHANNEL:

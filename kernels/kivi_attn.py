@@ -2,7 +2,7 @@
 
 K is per-channel min-max over groups of G tokens (k^ = c s[d, g] + m[d, g]), so one tile is one K group: per tile the
 query is multiplied by the group's channel scales once and sum_d q_d m[d, g] is one dot product, leaving one FMA per
-code: score_t = sum_d (q_d s_dg) c_td + sum_d q_d m_dg (oscar.md §3, §4.2). V is per-token groups (`value_step`).
+code: score_t = sum_d (q_d s_dg) c_td + sum_d q_d m_dg (KIVI's `matmul.py`). V is per-token groups (`value_step`).
 OScaR (`oscar_attn.py`) runs this kernel with its token norms (HAS_NORM) in the rotated domain.
 """
 

@@ -1,4 +1,4 @@
-"""KIVI encode + pack on the kernel (oscar.md 3; reference `mmkv/codecs/kivi.py`): the min-max kernel of
+"""KIVI encode + pack on the kernel (KIVI's `quant/new_pack.py`; reference `mmkv/codecs/kivi.py`): the min-max kernel of
 `kernels/groupquant_encode.py` with KIVI's layout, K per channel over groups of G tokens (role=k), V per token over
 groups of G channels (role=v), float-minimum offsets. Bit-identical to the reference.
 """

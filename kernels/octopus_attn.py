@@ -1,7 +1,7 @@
 """Fused split-K decode attention over OCTOPUS keys and groupquant values (reference: `mmkv.codecs.octopus` +
 `mmkv.codecs.groupquant`, decode + SDPA).
 
-Score path (codecs.md §5.3 option a, A18): with the query rotated once, q' = H(s q) zero-padded to 3 n_t and split
+Score path (OCTOPUS eq. 13, fp32): with the query rotated once, q' = H(s q) zero-padded to 3 n_t and split
 into triplets q'_i, score_t = gamma_t sum_i C_rho[jr_i] <q'_i, n^(C_xi[jx_i], C_xi[jy_i])>, where n^ is the
 octahedral decode normalised in registers (one rsqrt a triplet; the 2^dir-entry xi codebook is one L1 line, unlike the
 2^(2 dir)-entry direction LUT). Accumulated in fp32, gamma and the softmax scale applied last. Triplets are processed
@@ -90,7 +90,7 @@ def _octopus_attn_kernel(
                 rho = lookup(rho_tab, _stream_codes(rho_row, idx, valid, RHOW, RHO_NB), ASM)
             else:
                 rho = rho_const
-            # Octahedral decode (codecs.md §5.3), sgn(0) = +1 as in the encoder.
+            # Octahedral decode (OCTOPUS paper, eq. 6), sgn(0) = +1 as in the encoder.
             z = 1.0 - tl.abs(xi) - tl.abs(eta)
             bottom = z < 0
             x = tl.where(bottom, tl.where(xi >= 0, 1.0 - tl.abs(eta), tl.abs(eta) - 1.0), xi)

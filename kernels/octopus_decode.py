@@ -1,5 +1,5 @@
 """OCTOPUS (and OCTOPUS-QJL) unpack + decode to the model dtype, the kernel twin of `OctopusCodec._decode`
-(codecs.md 5.3; reference `mmkv/codecs/octopus.py`, `mmkv/codecs/octopus_qjl.py`).
+(OCTOPUS paper, eq. 6; reference `mmkv/codecs/octopus.py`, `mmkv/codecs/octopus_qjl.py`).
 
 Per output coordinate j of BT tokens: triplet j // 3's direction code and rho code are read from the packed planes,
 u_hat_j = DIR[code][j % 3] * C_rho[jr] (the reference's LUT, so the same fp32 values), plus for OCTOPUS-QJL the

@@ -1,5 +1,5 @@
 """OCTOPUS (and OCTOPUS-QJL) encode + pack in one pass, the kernel twin of `OctopusCodec._quantize` / `_pack`
-(codecs.md 5.2; reference `mmkv/codecs/octopus.py`, `mmkv/codecs/octopus_qjl.py`).
+(OCTOPUS paper, section 3.2; reference `mmkv/codecs/octopus.py`, `mmkv/codecs/octopus_qjl.py`).
 
 One program codes BT tokens of one row, one token a thread (`mmkv.kernels.common.load_rows`, so the butterfly, the
 triplet gathers and the fold are register work): gamma = ||k||, u = H(s * k) / gamma (one division a token),
@@ -27,7 +27,7 @@ from mmkv.kernels.common import (
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
 
-_EPS = tl.constexpr(1e-30)  # codecs.md A20, as the reference
+_EPS = tl.constexpr(1e-30)  # guards zero keys and triplets, as the reference
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def _octopus_encode_kernel(
         pack_block(jr, rho_ptr, row64 * rho_row_bytes, t0, n_tok, BT, NTP, NT, RHO_BITS, 0, 0, NT)
     tl.store(gamma_ptr + row64 * T + t0 + tt, gamma, mask=tmask)
     if QJL:
-        # OCTOPUS-QJL (codecs.md 5.6): r = u - u_hat in the rotated domain, sigma = sign(H(s' r)), ||r|| in fp16.
+        # OCTOPUS-QJL (paper section 3.6): r = u - u_hat in the rotated domain, sigma = sign(H(s' r)), ||r|| in fp16.
         rc = tl.load(rho_c_ptr + jr)  # t_hat = DIR[code] * C_rho[jr], back on the coordinates
         u_hat = from_triplets(tl.load(lut_ptr + code * 3) * rc, tl.load(lut_ptr + code * 3 + 1) * rc,
                               tl.load(lut_ptr + code * 3 + 2) * rc, BT, D, NTP)

@@ -1,9 +1,9 @@
 """Fused split-K decode attention over OScaR-packed K and V (reference: `mmkv.codecs.oscar`, decode + SDPA).
 
-Scores in the rotated domain, in the order of OScaR's kernel (oscar.md §2.9): s_t = <H q, deq(k^_t)> n_t, the query
+Scores in the rotated domain, in the order of OScaR's `flash_fwd_kernel.h`: s_t = <H q, deq(k^_t)> n_t, the query
 rotated once per call. K groups run along tokens as in KIVI, so this is the KIVI kernel (`kivi_attn.py`) with the
-token norms. V is stored rotated (H v, §2.2): the weighted sum is accumulated in the rotated domain and rotated back
-once per output row (codecs.md §1.3), since H is linear and self-inverse.
+token norms. V is stored rotated (H v): the weighted sum is accumulated in the rotated domain and rotated back
+once per output row, since H is linear and self-inverse.
 """
 
 from __future__ import annotations

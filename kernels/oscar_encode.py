@@ -1,4 +1,4 @@
-"""OScaR encode + pack on the kernel (oscar.md 2.4-2.6; reference `mmkv/codecs/oscar.py`).
+"""OScaR encode + pack on the kernel (OScaR's two steps; reference `mmkv/codecs/oscar.py`).
 
 K (role=k): a first kernel rotates each token (k~ = H k, no signs) and writes its squared norm per head; torch sums
 those over the KV heads and takes the root (n_t = 1 when not finite or <= 0), as the reference; the min-max kernel of

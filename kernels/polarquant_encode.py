@@ -1,4 +1,4 @@
-"""PolarQuant-R encode + pack, the kernel twin of `PolarQuantCodec._encode` (codecs.md 3.1; reference
+"""PolarQuant-R encode + pack, the kernel twin of `PolarQuantCodec._encode` (PolarQuant paper, Algorithm 1; reference
 `mmkv/codecs/polarquant.py`).
 
 One program takes BT tokens of one row: u = H(s * x) (one sign vector for the whole model), then the recursive polar

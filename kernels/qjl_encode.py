@@ -1,4 +1,4 @@
-"""QJL encode + pack, the kernel twin of `QJLCodec._encode` (codecs.md 4.1, QJL Def. 3.1; reference
+"""QJL encode + pack, the kernel twin of `QJLCodec._encode` (QJL paper, Def. 3.1; reference
 `mmkv/codecs/qjl.py`): per token the m = bits * d signs of S k (S the per-head i.i.d. Gaussian m x d matrix,
 sign(0) = +1), produced up to 128 rows of S at a time and packed straight into the token's bytes, and nu = ||k||.
 S k is an fp32 product in another summation order than torch's, so a sign may differ where S k is within rounding

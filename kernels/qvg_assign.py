@@ -1,5 +1,5 @@
 """QVG k-means assignment, the kernel twin of `mmkv.codecs.qvg.assign_reference` (the release's
-`_euclid_assign_kernel`, qvg.md §2.3 step 3a).
+`_euclid_assign_kernel` in `quant_videogen/kmeans/`).
 
 One program takes BN points of one problem (a (batch, head) pair of a span) and walks the centres in tiles of BK:
 d = max((||x||^2 + ||c||^2) - 2 x.c, 0) with the cross term from `tl.dot` (bf16 operands, fp32 accumulation on GPU,

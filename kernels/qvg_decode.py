@@ -1,5 +1,5 @@
 """QVG decode to the model dtype in one pass, the kernel twin of `QVGCodec._decode` (the release's fused
-`_nstage_accum_kernel`, qvg.md §3.4): unpack the codes, (code - qmax) * s (or code * s + z) with the E4M3 scale
+`_nstage_accum_kernel`, `real/accumulate.py`): unpack the codes, (code - qmax) * s (or code * s + z) with the E4M3 scale
 decoded by hand, add each stage's gathered bf16 centre in fp32 in stage order, cast once. The same operations in the
 same order as the reference, so the output is bit-identical to it.
 """

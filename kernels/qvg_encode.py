@@ -1,6 +1,6 @@
 """QVG encode: the last stage's centre subtraction fused with the block quantiser and the bit packing, the kernel twin
 of `mmkv.codecs.qvg.subtract` + `quantize_residual` + `pack_bits` (the release's `minus_centroid` and
-`_quant_pack_kernel`, qvg.md §2.5, §3.2-3.3); `encode` runs the whole codec with `qvg_assign` for the k-means
+`_quant_pack_kernel` in `quant_videogen/real/`); `encode` runs the whole codec with `qvg_assign` for the k-means
 assignment (the centre update stays the reference's fp64 scatter, which is deterministic).
 
 One program takes BT tokens x D channels of one (batch, head) problem: r = x - C[id] rounded to the residual dtype,

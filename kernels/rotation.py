@@ -1,4 +1,4 @@
-"""Triton Walsh-Hadamard transforms, the kernel twin of `mmkv.codecs.rotation` (codecs.md 1.1).
+"""Triton Walsh-Hadamard transforms, the kernel twin of `mmkv.codecs.rotation` (OCTOPUS paper, eq. 2).
 
 `fwht` is the butterfly of `hadamard_transform` in the same order (pairs at distance 1, 2, 4, ...), so in fp32 it is
 bit-identical to the reference; codec kernels call it on [BT, D] register blocks that hold one token per thread

@@ -1,7 +1,7 @@
 """Fused split-K decode attention over TurboQuant-MSE keys and groupquant values (reference:
 `mmkv.codecs.turboquant_mse` + `mmkv.codecs.groupquant`, decode + SDPA).
 
-Scores in the rotated domain (codecs.md §1.3, §2.6): q.k^ = gamma_t <H(s q), c[idx_t]>, with the query rotated once
+Scores in the rotated domain (as OCTOPUS paper eq. 13): q.k^ = gamma_t <H(s q), c[idx_t]>, with the query rotated once
 per call and each code looked up in the 2^b-entry Lloyd-Max codebook (one L1 line, so a warp's lookups are one
 wavefront). Values are the unrotated groupquant token groups (`value_step`).
 """

@@ -1,5 +1,5 @@
-"""TurboQuant-MSE encode + pack in one pass, the kernel twin of `TurboQuantMSECodec._encode` (codecs.md 2.2,
-Algorithm 1; reference `mmkv/codecs/turboquant_mse.py`).
+"""TurboQuant-MSE encode + pack in one pass, the kernel twin of `TurboQuantMSECodec._encode` (TurboQuant
+paper, Algorithm 1; reference `mmkv/codecs/turboquant_mse.py`).
 
 One program codes BT tokens of one row: norm = ||x||, u = H(s * x/norm) (norm 0 divides by 1), each coordinate to the
 nearest Lloyd-Max centroid (`searchsorted` on the cell boundaries, ties to the lower index), coordinates j < hi with
@@ -40,7 +40,7 @@ def _turboquant_encode_kernel(
     x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V)
     xf = x.to(tl.float32)
     norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
-    # gamma = 0 codes u = 0 and decodes to 0 (codecs.md A20). 1/norm is applied after the rotation, one division a
+    # gamma = 0 codes u = 0 and decodes to 0. 1/norm is applied after the rotation, one division a
     # token: u differs from the reference's H(s * x/norm) by an ulp or two.
     inv = tl.math.div_rn(scale, tl.where(norm > 0, norm, 1.0))[:, None]
     s = tl.load(s_ptr + (row % NH) * D + jj).to(tl.float32)

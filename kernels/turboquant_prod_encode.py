@@ -1,5 +1,5 @@
-"""TurboQuant-prod encode + pack in one pass, the kernel twin of `TurboQuantProdCodec._encode` (codecs.md 2.3,
-Algorithm 2; reference `mmkv/codecs/turboquant_prod.py`).
+"""TurboQuant-prod encode + pack in one pass, the kernel twin of `TurboQuantProdCodec._encode` (TurboQuant
+paper, Algorithm 2; reference `mmkv/codecs/turboquant_prod.py`).
 
 One program codes BT tokens of one row: n = ||x||, u = H(s * x) / n, (b-1)-bit nearest centroids, the residual
 r = s * H(u - c[idx]) back in the original basis, its 1-bit sketch sign(S r) (S the per-head i.i.d. Gaussian d x d

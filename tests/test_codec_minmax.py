@@ -1,4 +1,4 @@
-"""The min-max family: groupquant (codecs.md A9), KIVI and OScaR (oscar.md sections 2-3, 9)."""
+"""The min-max family: groupquant (the `amirzandieh/QJL` value recipe), KIVI and OScaR."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_groupquant_bits_are_b_plus_32_over_g(bits, group):
 def test_kivi_key_bits_and_ragged_group_count():
     x = torch.randn(2, 4, 96, 128, generator=gen(5))
     enc = build("kivi:bits=2,group=32", head_dim=128, num_heads=4).encode(x)
-    assert enc.effective_bits == 3.0  # 2 + 32/32 when T is a multiple of G (oscar.md §3)
+    assert enc.effective_bits == 3.0  # 2 + 32/32 when T is a multiple of G (KIVI's layout)
     # T = 1560 (a Wan latent frame): 48 full groups and one ragged group of 24 tokens, whose params are counted.
     x = torch.randn(1, 1560, 64, generator=gen(6))
     enc = build("kivi:bits=2,group=32", head_dim=64).encode(x)
@@ -212,7 +212,7 @@ def test_oscar_rotated_domain_scores_match_decoded_keys():
 
 
 def test_oscar_beats_kivi_under_token_norm_imbalance():
-    # OScaR's claim (oscar.md §2.5): per-token norms spread over orders of magnitude plus an outlier channel ruin
+    # OScaR's Token Norm Imbalance: per-token norms spread over orders of magnitude plus an outlier channel ruin
     # per-channel KIVI; rotating and normalising first fixes it.
     h, t, d = 4, 256, 64
     x = torch.randn(h, t, d, generator=gen(18))

@@ -1,4 +1,4 @@
-"""OCTOPUS and OCTOPUS-QJL (codecs.md sections 5-6, OCTOPUS seed section 3): codebooks, storage, quality, estimator."""
+"""OCTOPUS and OCTOPUS-QJL (OCTOPUS paper, sections 3 and 4.1): codebooks, storage, quality, estimator."""
 
 import json
 import math
@@ -12,7 +12,8 @@ from mmkv.codecs import octopus as oct_mod
 from mmkv.codecs.base import private_generator
 from mmkv.codecs.lloyd import quantizer_mse
 
-# codecs.md 5.4 reference codebooks (pooled, implementation-matched, 100k vectors). d = 128: positive half of C_xi.
+# Reference codebooks (OCTOPUS paper, section 3.4; pooled, implementation-matched, 100k vectors).
+# d = 128: positive half of C_xi.
 SPEC_XI = {
     (128, 3): [0.14420, 0.38536, 0.61701, 0.85757],
     (128, 4): [0.07199, 0.20211, 0.32397, 0.44182, 0.55870, 0.67647, 0.79814, 0.92805],
@@ -25,7 +26,7 @@ SPEC_XI = {
               -0.33969, -0.27654, -0.21183, -0.14520, -0.07531, -0.00123, 0.06823, 0.13407, 0.19695, 0.25770, 0.31696,
               0.37530, 0.43315, 0.49083, 0.54876, 0.60705, 0.66589, 0.72545, 0.78629, 0.84945, 0.91566, 0.98527],
 }
-# Entry-wise tolerance: 1e-3 as the spec asks, except where Monte-Carlo noise of a 100k-vector reference is itself
+# Entry-wise tolerance: 1e-3, except where Monte-Carlo noise of a 100k-vector reference is itself
 # larger (many levels on a near-flat density: two independent 100k-vector draws differ by up to ~3e-3 there; see
 # docs/decisions.md). Those codebooks are also held to equal distortion below.
 XI_TOL = {(128, 3): 1e-3, (128, 4): 1e-3, (128, 5): 2e-3, (64, 3): 1e-3, (64, 4): 3e-3, (64, 5): 3e-3}
@@ -61,7 +62,7 @@ def test_xi_codebook_matches_spec_table(d, bits):
     np.testing.assert_allclose(ours, SPEC_XI[(d, bits)], atol=XI_TOL[(d, bits)], rtol=0)
     if d == 128:  # symmetric to ~1e-3 at d = 128 (d mod 3 = 2), and not symmetrised by us
         assert np.abs(c + c[::-1]).max() < 2e-3
-    else:  # d = 64: the padded triplet's point masses make the optimum lopsided (codecs.md 5.4)
+    else:  # d = 64: the padded triplet's point masses make the optimum lopsided (paper section 3.4)
         assert np.abs(c + c[::-1]).max() > 0.02
 
 
@@ -78,7 +79,7 @@ def test_rho_constant_for_zero_bits_is_pooled_mean(d):
 
 
 def test_xi_codebooks_have_the_reference_distortion():
-    """On fresh pooled xi samples (independent of training), ours and the spec's lists quantise equally well."""
+    """On fresh pooled xi samples (independent of training), ours and the reference lists quantise equally well."""
     for d in (128, 64):
         g = np.random.default_rng(12345 + d)
         u = g.standard_normal((6000, d))
@@ -261,7 +262,7 @@ def test_zero_vectors_decode_to_zero(preset):
 
 
 def _table1(preset, seeds=8, d=128):
-    """codecs.md 6.0 / seed 4.1: n = 1024 Gaussian keys per seed, a fresh codec seed each; returns (relative MSE,
+    """OCTOPUS paper, section 4.1: n = 1024 Gaussian keys per seed, a fresh codec seed each; returns (relative MSE,
     IP error). The IP error E|q.k - q.k_hat| over Gaussian queries q ~ N(0, I) is exactly sqrt(2/pi) ||k - k_hat||,
     so it is taken in closed form rather than over 16 sampled queries, whose norms alone make an 8-seed mean wander
     by +-0.02 at b = 2 (the 64-seed, 16-query estimate of this codec is 2.697 +- 0.007)."""
@@ -299,7 +300,8 @@ def test_joint_rounding_lowers_mse_5_to_10_percent(b):
 
 
 def test_bit_split_override_and_optimality():
-    """App. D analogue: (b+1, b-1) beats the uniform (b, b) split by 31-41% (seed 3.3) and (b+2, b-2) too (d=128, b=3)."""
+    """OCTOPUS paper App. D analogue: (b+1, b-1) beats the uniform (b, b) split by 31-41% (section 3.3) and
+    (b+2, b-2) too (d=128, b=3)."""
     k = _keys(1024, 128, "split")
     mse = {}
     for dir_bits, rho_bits in ((4, 2), (3, 3), (5, 1)):

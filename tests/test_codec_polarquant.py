@@ -1,4 +1,4 @@
-"""PolarQuant-R (codecs.md section 3, A14): recursive polar transform of 16-blocks, level codebooks, byte counts."""
+"""PolarQuant-R (arXiv 2502.02617): recursive polar transform of 16-blocks, level codebooks, byte counts."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def rel_mse(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(((x - y).square().sum(-1) / x.square().sum(-1)).mean())
 
 
-# codecs.md §3.2 (exact Lloyd-Max on the level densities at L = 4).
+# Exact Lloyd-Max on the PolarQuant paper's level densities (Lemma 2) at L = 4.
 SPEC_CENTROIDS = {
     (2, 2): [0.30976, 0.63398, 0.93682, 1.26104],
     (3, 2): [0.42625, 0.67438, 0.89641, 1.14455],
@@ -73,18 +73,18 @@ def test_round_trip_shape_dtype_device(preset, dtype, device):
 def test_bits_per_coordinate_baseline(b):
     x = torch.randn(4, 40, 128, generator=gen(2))
     enc = build(f"polarquant:b={b}", head_dim=128).encode(x)
-    assert enc.effective_bits == (15 * b + 16) / 16  # codecs.md A14
+    assert enc.effective_bits == (15 * b + 16) / 16  # b bits on every level plus the fp16 radius
     assert enc.nbytes == sum(t.numel() * t.element_size() for t in enc.tensors.values())
 
 
 def test_bits_per_coordinate_native():
     x = torch.randn(40, 64, generator=gen(3))
     enc = build("polarquant:levels=4222", head_dim=64).encode(x)
-    assert enc.effective_bits == 3.875  # codecs.md §3.2: 62 bits per 16-block
+    assert enc.effective_bits == 3.875  # the paper's 4/2/2/2: 62 bits per 16-block
 
 
 def test_gaussian_mse_matches_the_reproduction():
-    # codecs.md A14: MSE 0.2167 at b = 2, d = 128; §6.1: 0.0321 for (4, 2, 2, 2).
+    # Reproduced MSE 0.2167 at b = 2, d = 128 (OCTOPUS paper's PolarQuant comparison); 0.0321 for (4, 2, 2, 2).
     x = torch.randn(1024, 128, generator=gen(0))
     mse = {}
     for preset in ("polarquant:b=2", "polarquant:b=3", "polarquant:b=4", "polarquant:levels=4222"):
@@ -120,7 +120,7 @@ def test_determinism_and_seed():
     c = build("polarquant:b=2", head_dim=64, num_heads=2, seed=2).encode(x)
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
     assert not torch.equal(a.tensors["angles1"], c.tensors["angles1"])
-    # One rotation shared by every layer and head (codecs.md §3.1).
+    # One rotation shared by every layer and head, as the PolarQuant paper shares its rotation.
     d = build("polarquant:b=2", head_dim=64, num_heads=2, layer=9, seed=1).encode(x)
     assert all(torch.equal(a.tensors[k], d.tensors[k]) for k in a.tensors)
 

@@ -1,4 +1,4 @@
-"""QJL (codecs.md 4.1): packed sign sketch + norm, the asymmetric unbiased estimator, and the matching decode."""
+"""QJL (QJL paper, Def. 3.1): packed sign sketch + norm, the asymmetric unbiased estimator, and the matching decode."""
 
 import math
 

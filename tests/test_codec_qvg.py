@@ -1,4 +1,4 @@
-"""QVG (`mmkv/codecs/qvg.py`, qvg.md) against an independent numpy fp32 computation of the same algorithm, the spec's
+"""QVG (`mmkv/codecs/qvg.py`) against an independent numpy fp32 computation of the same algorithm, the
 bit accounting, its quantiser edge cases, and the Triton kernels (`kernels/qvg_*.py`) under TRITON_INTERPRET on CPU.
 
 The independent computation shares only the seed contract with the codec (init indices drawn from
@@ -243,7 +243,7 @@ def _compare_with_independent(x4: torch.Tensor, preset: str, seed: int, layer: i
 def test_int2_4680_token_span_matches_independent_fp32_and_the_spec_bits():
     x = kv_like((1, 2, 4680, 128), seed=1)
     codec, enc, err = _compare_with_independent(x, "qvg:bits=2,centroids=256,block=64,stages=1", seed=5, layer=4)
-    # qvg.md §5.2: 2 + 8/64 + 8/128 + 256*16/4680 = 3.0627 bits per element, measured from the stored tensors
+    # Default setting: 2 + 8/64 + 8/128 + 256*16/4680 = 3.0627 bits per element, measured from the stored tensors
     assert enc.effective_bits == pytest.approx(2 + 0.125 + 0.0625 + 4096 / 4680, abs=1e-12)
     assert round(enc.effective_bits, 2) == 3.06 and codec.expected_bits(4680) == enc.effective_bits
     assert enc.nbytes == sum(t.numel() * t.element_size() for t in enc.tensors.values())
@@ -269,7 +269,7 @@ def test_stages_and_fp32_input_match_independent_computation():
     x = kv_like((1, 2, 1200, 64), seed=3, dtype=torch.float32)
     _, enc, err2 = _compare_with_independent(x, "qvg:bits=2,centroids=32,block=32,stages=2,iters=4", seed=1, layer=0)
     _, _, err1 = _compare_with_independent(x, "qvg:bits=2,centroids=32,block=32,stages=1,iters=4", seed=1, layer=0)
-    assert err2 < err1  # progressive residual quantisation: a second stage lowers the error (qvg.md §3.1)
+    assert err2 < err1  # progressive residual quantisation: a second stage lowers the error
     assert enc.meta["kmeans_iters"] and all(1 <= i <= 4 for i in enc.meta["kmeans_iters"])
 
 
@@ -306,7 +306,7 @@ def test_tiny_video_kv_matches_independent_fp32_computation():
 
 
 def test_quantiser_alone_is_exact_given_the_same_ids_and_centres():
-    # qvg.md §8.7 #1: feed identical ids and centres, compare codes and scales exactly
+    # Kernel against reference: feed identical ids and centres, compare codes and scales exactly
     r = kv_like((3, 50, 64), seed=4, dtype=torch.float32)
     for bits in (2, 4):
         codes, scales, zeros = Q.quantize_residual(r, bits, 32)
@@ -326,7 +326,7 @@ def test_quantiser_alone_is_exact_given_the_same_ids_and_centres():
     codes, scales, zeros = Q.quantize_residual(r, 2, 32, asymmetric=True)
     assert zeros is not None and codes.max() == 3
     back = Q.dequantize_residual(codes, scales, zeros, 2, 32)
-    assert ((back - r) ** 2).sum() / (r**2).sum() < 0.4  # coarse E4M3 zero point (qvg.md §10 #11)
+    assert ((back - r) ** 2).sum() / (r**2).sum() < 0.4  # coarse E4M3 zero point
 
 
 def test_kmeans_with_fixed_init_matches_lloyd():
@@ -357,7 +357,7 @@ def test_empty_clusters_keep_their_centre_and_ties_go_low():
 
 def test_packing_layout_golden_vectors():
     # The project's one layout (little-endian stream, mmkv.codecs.packing), not the release's MSB-first bytes
-    # (qvg.md §3.3): same byte count, codes in the opposite order within a byte.
+    # (`quant_videogen/real/quant_pack.py`): same byte count, codes in the opposite order within a byte.
     assert pack_bits(torch.tensor([2, 1, 0, 2]), 2).tolist() == [0b10_00_01_10]
     assert pack_bits(torch.tensor([14, 0]), 4).tolist() == [0x0E]
 
@@ -398,7 +398,7 @@ def test_private_generator_determinism_and_seed_dependence():
     state = torch.random.get_rng_state()
     a = build("qvg:centroids=16,block=16", head_dim=32, num_heads=2, seed=3, layer=1).encode(x)
     b = build("qvg:centroids=16,block=16", head_dim=32, num_heads=2, seed=3, layer=1).encode(x)
-    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG never moves (qvg.md §2.4)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG never moves
     assert all(torch.equal(a.tensors[k].view(torch.uint8), b.tensors[k].view(torch.uint8)) for k in a.tensors)
     c = build("qvg:centroids=16,block=16", head_dim=32, num_heads=2, seed=3, layer=2).encode(x)
     assert not torch.equal(a.tensors["centroids"], c.tensors["centroids"])  # init drawn per (seed, layer, stage)

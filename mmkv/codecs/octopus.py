@@ -1,17 +1,17 @@
-"""OCTOPUS: rotated keys quantised in octahedral triplets (codecs.md section 5; OCTOPUS seed, section 3).
+"""OCTOPUS: rotated keys quantised in octahedral triplets (OCTOPUS paper, section 3).
 
 A key k becomes its norm gamma = ||k|| and the unit vector u = H(s * k/gamma) (one sign vector per layer and KV head).
 u is zero-padded to 3*ceil(d/3) and split into contiguous triplets t_i; each triplet splits into its norm rho_i and a
 direction folded onto the square by the standard octahedral map (xi, eta). xi and eta share one Lloyd-Max codebook of
 `dir` bits, rho gets its own `rho`-bit codebook; by default (dir, rho) = (b+1, b-1), i.e. 3b+1 bits per triplet. Both
 codebooks are trained on "implementation-matched" marginals: samples pushed through this exact pipeline, padding
-included (codecs.md 5.4). The optional joint 3x3 rounding (seed 3.5, codecs.md 5.2 step 7) only changes the encoder.
+included (OCTOPUS paper, section 3.4). The optional joint 3x3 rounding (section 3.5, eq. 12) only changes the encoder.
 
 Stored per row of T tokens (planar, each plane one dense bit stream over T*n_t codes, `mmkv.codecs.packing`):
   `dir`   one 2*dir-bit code per triplet, jx in the low bits and jy in the high bits (= the kernel's LUT index),
   `rho`   one rho-bit code per triplet (absent when rho = 0 bits: rho is then the constant E[rho]),
   `gamma` the key norm, fp32 (default) or fp16.
-Attention can score in the rotated domain: score = gamma * <H(s*q), u_hat> (codecs.md 1.3), see `rotate_query` and
+Attention can score in the rotated domain: score = gamma * <H(s*q), u_hat> (paper eq. 13), see `rotate_query` and
 `decode_rotated`.
 """
 
@@ -33,11 +33,11 @@ from mmkv.codecs.lloyd import lloyd_max
 from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
 
-# ε-safe divisor for zero keys and zero triplets (codecs.md A20).
+# ε-safe divisor for zero keys and zero triplets (a zero norm would divide by zero).
 _EPS = 1e-30
 
 # ----------------------------------------------------------------------------------------------------------------
-# The octahedral map (codecs.md 5.2 step 5 and 5.3; seed eqs. 5-6), standard non-equal-area form, sgn(0) = +1.
+# The octahedral map (OCTOPUS paper, eqs. 5-6), standard non-equal-area form, sgn(0) = +1.
 
 
 def _sgn(v: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def n_triplets(d: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Codebooks: implementation-matched marginals (codecs.md 5.4, A5, A16)
+# Codebooks: implementation-matched marginals (OCTOPUS paper, section 3.4; docs/decisions.md, OCTOPUS codebooks)
 
 CODEBOOK_DIMS = (16, 32, 64, 128, 256)
 XI_BITS = tuple(range(1, 8))  # direction bits per octahedral coordinate
@@ -133,7 +133,7 @@ def octopus_codebook(key: str) -> list[float]:
     if d < 4 or d & (d - 1) or bits > 8:
         raise KeyError(f"octopus codebook key {key!r}: need a power-of-two d >= 4 and at most 8 bits")
     xi, rho = marginal_samples(d)
-    # Not symmetrised: at d mod 3 = 1 the padded triplet's point masses make the optimum asymmetric (codecs.md 5.4).
+    # Not symmetrised: at d mod 3 = 1 the padded triplet's point masses make the optimum asymmetric (paper section 3.4).
     return lloyd_max(xi if kind == "xi" else rho, 2**bits, iters=300, tol=1e-10).tolist()
 
 
@@ -195,7 +195,7 @@ class OctopusCodec(Codec):
         )
         self.xi_codebook = codebooks.load("octopus", f"d{d}_xi{self.dir_bits}")
         self.rho_codebook = codebooks.load("octopus", f"d{d}_rho{self.rho_bits}")
-        # Decode LUT of unit directions, index jx + (jy << dir) (codecs.md 5.3 kernel option b); float64 then fp32.
+        # Decode LUT of unit directions, index jx + (jy << dir) (see docs/decisions.md); float64 then fp32.
         c = self.xi_codebook.double()
         levels = c.numel()
         self.dir_lut = oct_decode(c.repeat(levels), c.repeat_interleave(levels)).float()  # [L*L, 3]
@@ -216,13 +216,13 @@ class OctopusCodec(Codec):
         return self.rotation.forward(q.float())
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
-        """The inverse rotation s * H(y), e.g. for values accumulated in the rotated domain (codecs.md 1.3)."""
+        """The inverse rotation s * H(y), e.g. for values accumulated in the rotated domain (the rotation is linear)."""
         return self.rotation.inverse(y.float())
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x[..., T, D] fp32 -> (gamma[..., T], u[..., T, D] unit rotated keys, dir codes and rho codes [..., T, n_t])."""
         xi_c, xi_t, rho_c, rho_t, lut = self._on(x.device)
-        gamma = x.norm(dim=-1)  # codecs.md 5.2 step 1
+        gamma = x.norm(dim=-1)  # OCTOPUS paper, eq. 1
         u = self.rotation.forward(x / gamma.clamp_min(_EPS).unsqueeze(-1))  # step 2
         t = torch.nn.functional.pad(u, (0, self.pad)).unflatten(-1, (self.n_t, 3))  # step 3
         xi, eta = oct_encode(t)  # steps 4-5 (the fold is scale-free, so t need not be normalised)
@@ -297,9 +297,9 @@ class OctopusCodec(Codec):
         return enc.tensors["gamma"].float().unsqueeze(-1) * self._rotated_unit(enc)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        return self.rotation.inverse(self.decode_rotated(enc))  # k_hat = gamma * s * H(u_hat), codecs.md 5.3
+        return self.rotation.inverse(self.decode_rotated(enc))  # k_hat = gamma * s * H(u_hat), OCTOPUS paper, eq. 6
 
     def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
-        """q·k_hat computed as the fused kernel does: rotate q once, never rotate keys back (codecs.md 1.3)."""
+        """q·k_hat computed as the fused kernel does: rotate q once, never rotate keys back (OCTOPUS paper, eq. 13)."""
         self._check(enc)
         return torch.matmul(self.rotate_query(q), self.decode_rotated(enc).transpose(-1, -2))

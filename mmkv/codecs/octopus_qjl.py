@@ -1,7 +1,7 @@
-"""OCTOPUS-QJL: OCTOPUS plus a 1-bit QJL sketch of the rotated-domain residual (OCTOPUS seed 3.6; codecs.md 5.6, A12).
+"""OCTOPUS-QJL: OCTOPUS plus a 1-bit QJL sketch of the rotated-domain residual (OCTOPUS paper, section 3.6).
 
 The residual r = u - u_hat of the unit rotated key is sketched with a second, independent randomised Hadamard
-rotation R' = H diag(s') (its own seed stream; correlated seeds break QJL, codecs.md 2.8): sigma = sign(R' r) in
+rotation R' = H diag(s') (its own seed stream; correlated seeds break QJL): sigma = sign(R' r) in
 {+-1}^d (m = d signs, sgn(0) = +1), plus the residual norm gamma_r = ||r|| in fp16. Extra cost: (d + 16)/d bits per
 coordinate on top of OCTOPUS.
 

@@ -1,17 +1,17 @@
 """OScaR (Su et al., arXiv 2605.19660; `ZunhaiSu/OScaR-KV-Quant`): KIVI-style per-channel K quantisation after
-Canalized Rotation and Omni-Token Scaling (oscar.md sections 2.4-2.6, 9).
+Canalized Rotation and Omni-Token Scaling (OScaR paper; upstream `csrc/oscar`).
 
 K path (`role=k`), on post-RoPE keys k[..., H, T, D] of one layer:
-  1. Canalized Rotation: k~ = H k, the normalised Sylvester Walsh-Hadamard matrix, no random signs (§2.4, §9 #6).
+  1. Canalized Rotation: k~ = H k, the normalised Sylvester Walsh-Hadamard matrix, no random signs (`k_preprocess.cu`).
   2. Omni-Token Scaling: n_t = ||k~_t|| over ALL KV heads and head_dim of the layer, one fp32 scalar per token;
-     n_t = 1 when it is <= 0 or not finite; k^ = k~ / n_t (§2.5, §9 #4; division as the CUDA path does).
+     n_t = 1 when it is <= 0 or not finite; k^ = k~ / n_t (division as OScaR's `k_preprocess.cu` does).
   3. Per channel, groups of G tokens: s = (max - min) / (2^b - 1), z = round(-min / s),
-     q = clamp(round(k^ / s + z), 0, 2^b - 1), stored as fp16 (s, -z s) (§2.6, §9 #8-#10); a zero-range group stores
+     q = clamp(round(k^ / s + z), 0, 2^b - 1), stored as fp16 (s, -z s) (`qpack.h`); a zero-range group stores
      (0, min) and is exact.
-  Decode: k = H (deq(k^) n_t). Attention may instead score in the rotated domain, <H q, deq(k^_t)> n_t (§2.9):
+  Decode: k = H (deq(k^) n_t). Attention may instead score in the rotated domain, <H q, deq(k^_t)> n_t (upstream):
   `rotate_query`, `decode_normalized` (deq(k^)), `token_norms` (n_t), `decode_rotated` (deq(k^) n_t), `scores`.
 
-V path (`role=v`): OScaR folds H into W_v / W_o offline (§2.2). mmkv does no model surgery, so the same rotation is
+V path (`role=v`): OScaR folds H into W_v / W_o offline. mmkv does no model surgery, so the same rotation is
 applied online at encode (v~ = H v) and undone at decode (H is self-inverse): the stored tensor and its error are those
 of the folded model. Then per token, groups of G channels, the same rounded-zero-point quantiser, fp16 (s, -z s).
 
@@ -68,7 +68,7 @@ class OscarCodec(Codec):
 
     # -- rotated-domain helpers -----------------------------------------------------------------------------------
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
-        """H q: the query in the basis the keys are stored in (oscar.md §2.9)."""
+        """H q: the query in the basis the keys are stored in (OScaR's `flash_fwd_kernel.h`)."""
         return hadamard_transform(q.float())
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class OscarCodec(Codec):
 
     def decode_rotated(self, enc: Encoded) -> torch.Tensor:
         """The reconstruction in the rotated domain, deq(k^) n_t for K (deq(H v) for V), so that, as for the other
-        rotation codecs, score = <rotate_query(q), decode_rotated(enc)> (codecs.md 1.3)."""
+        rotation codecs, score = <rotate_query(q), decode_rotated(enc)> (OCTOPUS paper, eq. 13)."""
         y = self.decode_normalized(enc)
         if self.role == "k":
             y = y * self._norm_per_row(enc.tensors["norm"], len(enc.shape))
@@ -105,7 +105,7 @@ class OscarCodec(Codec):
 
     def scores(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
         """<H q, deq(k^_t)> n_t for every stored key: q[..., H, Tq, D] -> [..., H, Tq, T] (fp32), in the order of
-        OScaR's kernel, which multiplies the fp32 score column by the token norm (§2.5, §9 #5)."""
+        OScaR's kernel, which multiplies the fp32 score column by the token norm (`apply_token_norm`)."""
         if self.role != "k":
             self._check(enc)
             return super().scores(q, enc)

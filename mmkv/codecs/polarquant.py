@@ -1,18 +1,18 @@
-"""PolarQuant-R (Han et al., arXiv 2502.02617; codecs.md section 3): random preconditioning, then a recursive polar
+"""PolarQuant-R (Han et al., arXiv 2502.02617): random preconditioning, then a recursive polar
 transform of 16-coordinate blocks (depth L = 4) with Lloyd-Max angle codebooks and an fp16 radius per block.
 
 Per block of 16 rotated coordinates u: level 1 has 8 angles atan2(u_2j, u_2j-1) in [0, 2pi) and radii r1; level l >= 2
 has angles atan(r_2j / r_2j-1) in [0, pi/2] of the previous radii (4, 2, 1 of them); the last radius ||u_block|| is
-stored as fp16. Angles are coded with the Lloyd-Max codebook of their level's exact density (codecs.md §3.1 Lemma 2):
+stored as fp16. Angles are coded with the Lloyd-Max codebook of their level's exact density (PolarQuant paper, Lemma 2):
 uniform for level 1, proportional to sin^(2^(l-1) - 1)(2 psi) for level l >= 2 (independent of d). Decoding runs the
 tree top-down: (r cos theta, r sin theta), then the inverse rotation.
 
-Presets: `polarquant:b=2` puts b bits on every level (codecs.md A14, the paper-matched baseline of the OCTOPUS
-comparison): (15b + 16)/16 bits a coordinate. `polarquant:levels=4222` is the paper's native configuration (§3.2):
+Presets: `polarquant:b=2` puts b bits on every level (docs/decisions.md; the paper-matched baseline of the OCTOPUS
+comparison): (15b + 16)/16 bits a coordinate. `polarquant:levels=4222` is the paper's native configuration:
 (32 + 8 + 4 + 2 + 16)/16 = 3.875 bits a coordinate; `levels` overrides `b`.
 
-Preconditioning: a randomised Hadamard rotation (codecs.md §1.1), one sign vector shared by K and V and by every layer
-and head, as the paper shares its rotation (§3.1); drawn from the private stream "polarquant" of the codec seed.
+Preconditioning: a randomised Hadamard rotation (OCTOPUS eq. 2), one sign vector shared by K and V and by every layer
+and head, as the paper shares its rotation; drawn from the private stream "polarquant" of the codec seed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SHIPPED_BITS = (1, 2, 3, 4)
 
 
 def level_pdf(level: int):
-    """The (unnormalised) density of a level-l angle for Gaussian input (codecs.md §3.1 Lemma 2)."""
+    """The (unnormalised) density of a level-l angle for Gaussian input (PolarQuant paper, Lemma 2)."""
     power = 2 ** (level - 1) - 1
     return lambda psi: np.sin(2.0 * psi) ** power
 
@@ -142,7 +142,7 @@ class PolarQuantCodec(Codec):
             self._books[device] = books
         return self._books[device]
 
-    # -- rotated-domain helpers (codecs.md §1.3) ------------------------------------------------------------------
+    # -- rotated-domain helpers (OCTOPUS paper, eq. 13) ---------------------------------------------------------------
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         return self.rotation.forward(q.float())
 

@@ -1,5 +1,5 @@
 """QJL: a 1-bit Johnson-Lindenstrauss sign sketch of each key with an asymmetric, unbiased score estimator
-(codecs.md 4.1; QJL paper Def. 3.1 and Algorithm 1).
+(QJL paper, Def. 3.1 and Algorithm 1).
 
 Encode: z = sign(S k) in {+-1}^m with S in R^{m x d} i.i.d. N(0, 1), m = bits * d, one S per (layer, KV head) from a
 private generator; store the packed signs and nu = ||k||.
@@ -11,7 +11,7 @@ design: E_S ||k_hat - k||^2 = ((pi/2) d - 1)/m * ||k||^2, about 0.78 ||k||^2 at 
 
 S is plain i.i.d. Gaussian (Def. 3.1), which makes the estimator exactly unbiased; the official code orthogonalises
 S by QR in 128-row chunks and rescales rows to sqrt(d), which lowers variance but leaves an O(1/d) bias. The
-outlier-channel split of the official code (codecs.md 4.2) is not part of this codec
+outlier-channel split of the official code (`amirzandieh/QJL`) is not part of this codec
 (docs/decisions.md).
 
 Stored per row of T tokens: `signs` (1-bit, one dense bit stream over T*m signs, bit 1 = +1) and `norm` (fp32 by

@@ -1,27 +1,28 @@
 """Quant VideoGen (QVG, Xi et al., ICML 2026, arXiv 2602.02958): a span codec for video KV caches.
 
-For every (leading index, head) of a span x[..., H, N, D] (qvg.md §2.2: per layer, K or V, batch element and head,
-all tokens of the span jointly):
+For every (leading index, head) of a span x[..., H, N, D] (the release's `quant_videogen/real/prq.py`: per layer, K or
+V, batch element and head, all tokens of the span jointly):
 
-1. Semantic-aware smoothing, repeated for `stages` stages (progressive residual quantisation, §3.1): k-means with
-   `centroids` centres over the span's tokens (§2.3: init = `centroids` token indices drawn uniformly *with
+1. Semantic-aware smoothing, repeated for `stages` stages (progressive residual quantisation, `prq.py`): k-means with
+   `centroids` centres over the span's tokens (`kmeans/`: init = `centroids` token indices drawn uniformly *with
    replacement* from a private generator, Lloyd assign/update, empty clusters keep their centre, early stop when
    fewer than `tol` of the ids changed, at most `iters` iterations), then subtract each token's nearest centre.
-   Centres are bf16, ids uint8 (§2.5).
-2. The final residual is quantised per token in blocks of `block` channels (§3.2): symmetric absmax with
+   Centres are bf16, ids uint8 (`real/smooth.py`).
+2. The final residual is quantised per token in blocks of `block` channels (`real/quant_pack.py`): symmetric absmax with
    qmax = 2^(b-1) - 1 (INT2 is ternary {-1, 0, 1}, INT4 uses -7..7), the scale rounded to FP8 E4M3 *before* the
    division, round half away from zero; or, with `asymmetric`, min-max over 2^b - 1 levels with an E4M3 zero-point.
 
-Decode (§3.4): x^ = dequant(residual) + sum_s C_s[id_s], accumulated in fp32 in that order, then cast.
+Decode (`real/accumulate.py`): x^ = dequant(residual) + sum_s C_s[id_s], accumulated in fp32 in that order, then cast.
 
-Stored per span (§3.3, §5.1; `nbytes` counts them all): packed codes (b bits a value), E4M3 scales (and zeros) per
+Stored per span (`nbytes` counts them all): packed codes (b bits a value), E4M3 scales (and zeros) per
 block, one uint8 id per token, head and stage, and each stage's bf16 centre table:
 bits/value = b + 8/block * (1 + asym) + stages * 8/D + stages * centroids * 16/N. INT2, D = 128, block 64, 256
 centres and a 4680-token span (one 3-frame Wan chunk): 2.1875 + 4096/4680 = 3.06 bits.
 
 Deliberate choices (docs/decisions.md): centre sums are accumulated in fp64 (order-independent, so
-deterministic on any device, where the release uses fp32 atomics, §2.4); the init generator is reseeded per encode
-from (codec seed, layer, stage), never the global RNG (§2.4, rec #7); a zero E4M3 scale stores the zero code (§3.5);
+deterministic on any device, where the release uses fp32 atomics); the init generator is reseeded per encode
+from (codec seed, layer, stage), never the global RNG (the release's Self-Forcing path shares it with
+the sampler); a zero E4M3 scale stores the zero code;
 scales are clamped to the E4M3 maximum 448; codes use the project's one bit-packing layout (little-endian stream,
 `mmkv.codecs.packing`), not the release's MSB-first bytes (same byte count); blocks that do not divide D end in a
 shorter block (the release requires block | D).
@@ -52,7 +53,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# k-means (semantic-aware smoothing, qvg.md §2.3)
+# k-means (semantic-aware smoothing, `quant_videogen/kmeans/`)
 
 
 def init_indices(seed: int, layer: int, stage: int, problems: int, tokens: int, centroids: int) -> torch.Tensor:
@@ -82,7 +83,7 @@ def update_centroids(points: torch.Tensor, ids: torch.Tensor, old: torch.Tensor)
     """Cluster means -> bf16, empty clusters keep their old centre (kmeans_euclid.py line 23).
 
     Sums are accumulated in fp64, which is exact for bf16/fp32 inputs of ordinary range, so the result does not depend
-    on the summation order (the release's fp32 atomics make it nondeterministic, qvg.md §2.4, rec #8); the mean is
+    on the summation order (the release's fp32 atomics make it nondeterministic); the mean is
     divided in fp64, rounded to fp32, then to bf16. Returns (centres [P, K, D] bf16, counts [P, K] int64).
     """
     p, n, d = points.shape
@@ -102,7 +103,7 @@ def kmeans(
     tol: float,
     assign: Callable[..., torch.Tensor] = assign_reference,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Lloyd's k-means as released (qvg.md §2.3) on P problems at once: points [P, N, D], init centres [P, K, D] bf16.
+    """Lloyd's k-means as released (`kmeans/`) on P problems at once: points [P, N, D], init centres [P, K, D] bf16.
 
     From the second iteration on, when the fraction of ids (over all P problems: one batched call, one decision)
     that changed is below `tol`, stop and return this iteration's ids with its *pre-update* centres; otherwise the
@@ -133,7 +134,7 @@ def subtract(residual: torch.Tensor, centroids: torch.Tensor, ids: torch.Tensor)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Residual quantiser (qvg.md §3.2-3.5)
+# Residual quantiser (`quant_videogen/real/quant_pack.py`, `_quant_pack_kernel`)
 
 
 def round_half_away(y: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ def round_half_away(y: torch.Tensor) -> torch.Tensor:
 
 def to_e4m3(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> FP8 E4M3 (round to nearest even), clamped to +-448 first: the release does not guard the overflow,
-    which would turn into NaN (qvg.md §3.5, rec #10)."""
+    which would turn into NaN."""
     return v.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
@@ -245,7 +246,7 @@ class QVGCodec(Codec):
 
     @classmethod
     def value_config(cls, config, group: int = 32):
-        return config  # V is clustered separately with the same settings (cache_num_v_centroids = _k_, §2.2)
+        return config  # V is clustered separately with the same settings (cache_num_v_centroids = _k_ in the release)
 
     def setup(self) -> None:
         cfg = self.config
@@ -257,7 +258,7 @@ class QVGCodec(Codec):
 
     # -- protocol ----------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
-        # Not Codec.encode: that hands _encode fp32, and QVG forms its residuals in the input dtype (§2.5).
+        # Not Codec.encode: that hands _encode fp32, and QVG forms its residuals in the input dtype (`real/smooth.py`).
         self.check_input(x, finite=not inputs_checked())
         if x.shape[-2] == 0:
             raise CodecError(f"codec {self.config} (layer {self.layer}): a span needs at least one token, got 0")
@@ -325,7 +326,7 @@ class QVGCodec(Codec):
         return out
 
     def expected_bits(self, tokens: int) -> float:
-        """qvg.md §5.1 bits per value for a span of `tokens` tokens (packing pads a unit's code stream to a byte)."""
+        """Bits per value for a span of `tokens` tokens (packing pads a unit's code stream to a byte)."""
         d = self.head_dim
         nb = num_groups(d, self.block)
         code_bits = 8 * ((tokens * d * self.bits + 7) // 8) / (tokens * d)

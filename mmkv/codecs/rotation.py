@@ -1,4 +1,4 @@
-"""The one rotation module: normalised Walsh-Hadamard transforms, plain and randomised (codecs.md section 1.1).
+"""The one rotation module: normalised Walsh-Hadamard transforms, plain and randomised (OCTOPUS paper, eq. 2).
 
 `RandomizedHadamard` is R = H_d diag(s) with one seeded sign vector per (layer, KV head), drawn from a private
 generator, so building a codec never moves the global RNG stream. Forward: u = H_d (s * x); inverse: x = s * (H_d u).

@@ -1,11 +1,11 @@
-"""TurboQuant-MSE: norm, randomised Hadamard rotation, per-coordinate Lloyd-Max (codecs.md 2.2, Algorithm 1).
+"""TurboQuant-MSE: norm, randomised Hadamard rotation, per-coordinate Lloyd-Max (TurboQuant paper, Algorithm 1).
 
-A key x becomes its norm gamma = ||x|| (fp32 by default, fp16 optionally, codecs.md A2) and the rotated unit vector
+A key x becomes its norm gamma = ||x|| (fp32 by default, fp16 optionally, never bf16) and the rotated unit vector
 u = H(s * x/gamma) (one sign vector per layer and KV head; the paper's Haar rotation is replaced by the RHT, as in
-every implementation, codecs.md 2.8 and A15). Each coordinate of u is quantised to the nearest centroid of the exact
-Lloyd-Max codebook for the Lemma-1 Beta marginal of a rotated unit-vector coordinate (codecs.md 2.1, 2.5).
+every implementation, e.g. vLLM's TurboQuant). Each coordinate of u is quantised to the nearest centroid of the exact
+Lloyd-Max codebook for the Lemma-1 Beta marginal of a rotated unit-vector coordinate (TurboQuant paper, Lemma 1).
 
-Mixed precision (`hi`, codecs.md 6.4): the first `hi` rotated coordinates get b+1 bits and the rest b bits. After
+Mixed precision (`hi`, docs/decisions.md): the first `hi` rotated coordinates get b+1 bits and the rest b bits. After
 the rotation all coordinates share one marginal, so which ones are "hi" does not matter; this is the iso-rate
 TurboQuant baseline (e.g. `turboquant-mse:b=2,hi=45` at d = 128 spends OCTOPUS b=2's 333 bits per key).
 
@@ -13,8 +13,8 @@ Stored per row of T tokens (each plane one dense bit stream over the row's T*n c
   `idx`     b-bit codes of the d-hi low-precision coordinates (absent when hi = d),
   `idx_hi`  (b+1)-bit codes of the first hi coordinates (absent when hi = 0),
   `norm`    ||x||, fp32 (default) or fp16.
-Bits per key: b*d + hi + 32 (or + 16). Scores in the rotated domain: q.k_hat = <H(s*q), gamma * c[idx]> (codecs.md
-1.3); see `rotate_query` and `decode_rotated`.
+Bits per key: b*d + hi + 32 (or + 16). Scores in the rotated domain: q.k_hat = <H(s*q), gamma * c[idx]> (OCTOPUS
+paper, eq. 13); see `rotate_query` and `decode_rotated`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mmkv.codecs.packing import pack_bits, unpack_bits
 from mmkv.codecs.rotation import RandomizedHadamard
 
 # ----------------------------------------------------------------------------------------------------------------
-# Codebooks: exact Lloyd-Max on the Lemma-1 Beta density (codecs.md 2.1, 2.5, A16)
+# Codebooks: exact Lloyd-Max on the Lemma-1 Beta density (TurboQuant paper, Lemma 1)
 
 CODEBOOK_DIMS = (16, 32, 64, 128, 256)
 CODEBOOK_BITS = (1, 2, 3, 4, 5, 6)
@@ -87,7 +87,7 @@ class ScalarQuantizer:
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:
             c = self.centroids.to(device)
-            self._tables[device] = (c, 0.5 * (c[1:] + c[:-1]))  # cell boundaries t_i (codecs.md 1.2)
+            self._tables[device] = (c, 0.5 * (c[1:] + c[:-1]))  # cell boundaries t_i (TurboQuant paper, eq. 4)
         return self._tables[device]
 
     def encode(self, u: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ _FP16_MAX = 65504.0
 
 
 def store_norm(norm: torch.Tensor, bits: int, where: str) -> torch.Tensor:
-    """Norms in the stored dtype (fp32, or fp16 after checking they fit: codecs.md A2, never bf16). The check is a
+    """Norms in the stored dtype (fp32, or fp16 after checking they fit; never bf16: its 8-bit mantissa). The check is a
     host sync, or collected by the active `mmkv.codecs.checks.encode_scope`."""
     if bits == 16 and norm.numel():
         big = norm.max()
@@ -127,7 +127,7 @@ def store_norm(norm: torch.Tensor, bits: int, where: str) -> torch.Tensor:
 
 def gaussian_sketch(m: int, d: int, *, num_heads: int, seed: int, layer: int, stream: str) -> torch.Tensor:
     """S[H, m, d] with i.i.d. N(0, 1) entries, one per (layer, KV head), from a private generator whose seed stream
-    (`stream`) is independent of every rotation's (codecs.md 2.8, AmesianX: correlated seeds break QJL)."""
+    (`stream`) is independent of every rotation's (AmesianX's TurboQuant port: correlated seeds break QJL)."""
     mats = []
     for h in range(num_heads):
         g = private_generator(seed, "gaussian-sketch", stream, layer, h)
@@ -194,21 +194,21 @@ class TurboQuantMSECodec(Codec):
 
     @property
     def bits_per_vector(self) -> int:
-        """Stored bits per key, side info included (codecs.md 2.6): b*d + hi + the norm."""
+        """Stored bits per key, side info included (docs/decisions.md, TurboQuant-MSE): b*d + hi + the norm."""
         return self.b * self.head_dim + self.hi + self.norm_bits
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
-        """q' = H(s * q) per KV head (fp32); scores are <q', decode_rotated(enc)> (codecs.md 1.3)."""
+        """q' = H(s * q) per KV head (fp32); scores are <q', decode_rotated(enc)> (the rotation is orthogonal)."""
         check_heads(self, q)
         return self.rotation.forward(q.float())
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
-        """s * H(y): back from the rotated domain, e.g. for values accumulated there (codecs.md 1.3)."""
+        """s * H(y): back from the rotated domain, e.g. for values accumulated there (the rotation is linear)."""
         return self.rotation.inverse(y.float())
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         norm = x.norm(dim=-1)
-        # gamma = 0 gives u = 0, whose codes decode to gamma * c = 0 (codecs.md A20).
+        # gamma = 0 gives u = 0, whose codes decode to gamma * c = 0.
         u = self.rotation.forward(x / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1))
         tensors = {}
         if self.hi < self.head_dim:

@@ -1,4 +1,4 @@
-"""TurboQuant-prod: a (b-1)-bit TurboQuant-MSE stage plus a 1-bit QJL sketch of its residual (codecs.md 2.3,
+"""TurboQuant-prod: a (b-1)-bit TurboQuant-MSE stage plus a 1-bit QJL sketch of its residual (TurboQuant paper,
 Algorithm 2), an unbiased inner-product quantiser.
 
 For a key x with norm n = ||x|| and unit vector x1 = x/n:
@@ -6,10 +6,10 @@ For a key x with norm n = ||x|| and unit vector x1 = x/n:
      exactly `turboquant-mse:b=b-1`),
   2. r = x1 - DeQuant_mse(idx), in the original basis,
   3. qjl = sign(S r) with S in R^{d x d} i.i.d. N(0, 1) (m = d), one S per (layer, KV head) from a private generator
-     on a seed stream independent of the rotation's (codecs.md 2.8, AmesianX),
+     on a seed stream independent of the rotation's (correlated seeds break QJL, as AmesianX's TurboQuant port found),
   4. gamma = ||r||.
 DeQuant: x_hat = n * (DeQuant_mse(idx) + sqrt(pi/2)/d * gamma * S^T qjl)             (Algorithm 2 step 5)
-Scores:  q.k ~= n * (<Pi q, c[idx]> + gamma * sqrt(pi/2)/d * <S q, qjl>)             (codecs.md 2.6)
+Scores:  q.k ~= n * (<Pi q, c[idx]> + gamma * sqrt(pi/2)/d * <S q, qjl>)             (TurboQuant paper, Algorithm 2)
 which is the same number as <q, x_hat>; `scores` computes it without rotating keys back. E[score] = q.x (Theorem 2).
 
 Stored per row of T tokens: `idx` ((b-1)-bit codes, one dense bit stream over T*d codes), `qjl` (1-bit signs over
@@ -79,7 +79,7 @@ class TurboQuantProdCodec(GaussianSketch, Codec):
 
     @property
     def bits_per_vector(self) -> int:
-        """(b-1)*d MSE bits + d QJL bits + two norms (codecs.md 2.6)."""
+        """(b-1)*d MSE bits + d QJL bits + two norms."""
         return self.b * self.head_dim + 2 * self.norm_bits
 
     # -- sketch S (`GaussianSketch`), one per KV head, broadcast over dim -3 -------------------------------------
