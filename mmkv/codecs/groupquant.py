@@ -187,6 +187,25 @@ class RoleConfig(GroupQuantConfig):
             self.fail(f"role must be 'k' (per-channel keys) or 'v' (per-token values), got {self.role!r}")
 
 
+class RoleCodec(Codec):
+    """What KIVI and OScaR share: a K / V role (keys grouped over tokens per channel, values per token), V built with
+    the key's own group and bits, and rows (batch, head) that decode independently, so the store stacks equal units
+    (`stack_units`). Not registered itself."""
+
+    config_class = RoleConfig
+    stackable = True
+
+    @classmethod
+    def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
+        return config.replace(role="v")  # the paper's own V recipe, not the harness's value group
+
+    def setup(self) -> None:
+        self.bits, self.group, self.role = self.config.bits, self.config.group, self.config.role
+        self.meta_dtype = META_DTYPES[self.config.meta]
+        self.axis = ROLES[self.role]
+        self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
+
+
 class GroupQuantCodec(Codec):
     """Per-token groups of `group` channels, asymmetric min-max, fp16 (scale, min): b + 32/g bits a value (A9)."""
 

@@ -18,8 +18,8 @@ import torch
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mmkv.codecs.base import Codec, CodecConfig, Encoded
-from mmkv.codecs.groupquant import META_DTYPES, ROLES, RoleConfig, decode_minmax, encode_minmax
+from mmkv.codecs.base import Encoded
+from mmkv.codecs.groupquant import RoleCodec, RoleConfig, decode_minmax, encode_minmax
 
 
 @dataclass(frozen=True)
@@ -29,21 +29,11 @@ class KiviConfig(RoleConfig):
     allowed_bits: ClassVar[tuple[int, ...]] = (2, 3, 4, 8)
 
 
-class KiviCodec(Codec):
+class KiviCodec(RoleCodec):
+    """KIVI quantises V per token with the key's own G and bits (KIVI-2 / KIVI-4)."""
+
     config_class = KiviConfig
     display_name = "KIVI"
-    stackable = True  # rows (batch, head) decode independently: the store stacks equal units (stack_units)
-
-    @classmethod
-    def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
-        # KIVI quantises V per token with the key's own G and bits (KIVI-2/KIVI-4), not the harness's value group.
-        return config.replace(role="v")
-
-    def setup(self) -> None:
-        self.bits, self.group, self.role = self.config.bits, self.config.group, self.config.role
-        self.meta_dtype = META_DTYPES[self.config.meta]
-        self.axis = ROLES[self.role]
-        self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
 
     def _encode(self, x: torch.Tensor) -> Encoded:
         tensors = encode_minmax(

@@ -26,8 +26,8 @@ from typing import ClassVar
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecConfig, CodecError, Encoded
-from mmkv.codecs.groupquant import META_DTYPES, ROLES, RoleConfig, decode_minmax, encode_minmax
+from mmkv.codecs.base import CodecError, Encoded
+from mmkv.codecs.groupquant import RoleCodec, RoleConfig, decode_minmax, encode_minmax
 from mmkv.codecs.rotation import hadamard_transform
 
 
@@ -38,22 +38,13 @@ class OscarConfig(RoleConfig):
     allowed_bits: ClassVar[tuple[int, ...]] = (2, 3, 4)
 
 
-class OscarCodec(Codec):
+class OscarCodec(RoleCodec):
+    """OScaR: keys scaled by their omni-token norm; its own V recipe is rotated V in per-token groups with the key's G
+    (32 in the paper) and bits."""
+
     config_class = OscarConfig
     display_name = "OScaR"
     requires_pow2 = True
-    stackable = True  # rows (batch, head) decode independently: the store stacks equal units (stack_units)
-
-    @classmethod
-    def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
-        # OScaR's own V recipe: rotated V, per-token groups with the key's G (32 in the paper) and bits.
-        return config.replace(role="v")
-
-    def setup(self) -> None:
-        self.bits, self.group, self.role = self.config.bits, self.config.group, self.config.role
-        self.meta_dtype = META_DTYPES[self.config.meta]
-        self.axis = ROLES[self.role]
-        self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
 
     def check_input(self, x: torch.Tensor, finite: bool = True) -> None:
         super().check_input(x, finite)
