@@ -17,6 +17,18 @@ import torch
 
 from mmkv.pipelines.common import atomic_write_json, versions
 
+# The procedural data's seed split (video scenes and audio clips alike): training draws seeds below TRAIN_SEED_END,
+# every score is measured on held_out_seeds(n), which start at HELD_OUT_SEED_START.
+TRAIN_SEED_END = 10_000_000
+HELD_OUT_SEED_START = 10_000_000
+
+
+def held_out_seeds(n: int) -> list[int]:
+    """n evaluation seeds from HELD_OUT_SEED_START up; training draws seeds below TRAIN_SEED_END only."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"held_out_seeds needs a non-negative int count, got {n!r}")
+    return list(range(HELD_OUT_SEED_START, HELD_OUT_SEED_START + n))
+
 
 def seeded(seed: int, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """Build a module whose default initialisation draws from a fixed seed, without touching the global RNG."""

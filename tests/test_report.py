@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from mmkv.cli import main as mmkv_main
 from mmkv.report import tables as T
-from mmkv.report.runs import LpipsChoice, Measurer, measure_all, read_runs
+from mmkv.report.measure import LpipsChoice, Measurer, measure_all
+from mmkv.report.runs import read_runs
 from mmkv.report.summary import main_table, summarize, windows_table
 
 FPS = 16

@@ -26,7 +26,8 @@ import numpy as np
 from mmkv.codecs.config import CodecError, split_preset
 from mmkv.codecs.registry import display_name, get_codec_class, table_order
 from mmkv.metrics.video import DEFAULT_FPS, psnr_from_mse, windowed_means
-from mmkv.report.runs import REFERENCE, Measured
+from mmkv.report.measure import Measured
+from mmkv.report.runs import REFERENCE
 
 
 @dataclass(frozen=True)

@@ -397,15 +397,3 @@ def pair_rollouts(rs: RunSet) -> list[tuple[Rollout, Rollout]]:
             continue
         pairs.append((ref, r))
     return pairs
-
-
-# The measuring half lives in mmkv.report.measure (it builds on this module); its names stay importable from here.
-_MOVED = ("LpipsChoice", "Measured", "Measurer", "measure_all", "_load_frames", "_load_tensor", "_load_wav")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from mmkv.report import measure
-
-        return getattr(measure, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

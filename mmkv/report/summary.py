@@ -10,7 +10,8 @@ from mmkv.codecs.config import CodecError, split_preset  # noqa: F401
 from mmkv.codecs.registry import display_name, get_codec_class, table_order  # noqa: F401
 from mmkv.metrics.video import DEFAULT_FPS, psnr_from_mse, windowed_means  # noqa: F401
 from mmkv.report.adherence import ONSET_TOLERANCE_S
-from mmkv.report.runs import REFERENCE, Measured  # noqa: F401
+from mmkv.report.measure import Measured  # noqa: F401
+from mmkv.report.runs import REFERENCE  # noqa: F401
 from mmkv.report.tables import Column, Table
 from mmkv.report.aggregate import (  # noqa: F401
     ADHERENCE_METRICS, BLOCK_METRICS, CURVE_METRICS, DEFAULT_METRICS, METRICS, WINDOW_METRICS, Cell, Group,

@@ -32,12 +32,11 @@ from typing import Sequence
 import torch
 
 from mmkv.codecs.base import private_generator
+from mmkv.pipelines.training import HELD_OUT_SEED_START, TRAIN_SEED_END, held_out_seeds  # noqa: F401
 from mmkv.metrics.audio_adherence import SoundTables
 
 SAMPLE_RATE = 24_000
 SECONDS = 1.0
-TRAIN_SEED_END = 10_000_000
-HELD_OUT_SEED_START = 10_000_000
 
 KINDS = ("note", "chirp", "noise", "clicks")
 # Flat names keep each note one plain word ("eb4"), which a word-level tokenizer reads as one token.
@@ -238,13 +237,6 @@ def sample_sound(seed: int) -> Sound:
     if kind == "noise":
         return Sound(**common, band=band, shape=burst, noise_seed=seed)
     return Sound(**common, count=count, click_times=times, click_gains=gains, click_freq=click_freq)
-
-
-def held_out_seeds(n: int) -> list[int]:
-    """n evaluation seeds from HELD_OUT_SEED_START up; training draws seeds below TRAIN_SEED_END only."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"held_out_seeds needs a non-negative int count, got {n!r}")
-    return list(range(HELD_OUT_SEED_START, HELD_OUT_SEED_START + n))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from mmkv.codecs.base import private_generator
+from mmkv.pipelines.training import HELD_OUT_SEED_START, TRAIN_SEED_END, held_out_seeds  # noqa: F401
 from mmkv.metrics.adherence import Palette
 
 RGB = tuple[int, int, int]
@@ -77,8 +78,6 @@ OCCLUDER_CLEAR_FRAMES = 20  # ... among those leaving it this many frames clear 
 EARLY_ROOM_FRAMES = 16
 
 FRAMES, HEIGHT, WIDTH = 81, 64, 96
-TRAIN_SEED_END = 10_000_000
-HELD_OUT_SEED_START = 10_000_000
 
 # The detector's view of the named attributes.
 PALETTE = Palette(colours=COLOURS, sizes=SIZES, speeds=SPEEDS)
@@ -247,13 +246,6 @@ def sample_scene(seed: int) -> Scene:
     start = [0.0, 0.0]
     start[axis], start[1 - axis] = p0 / (along - 1), q0 / (across - 1)
     return Scene(shape, colour, size, direction, speed, start[0], start[1], background, second, occluder, template)
-
-
-def held_out_seeds(n: int) -> list[int]:
-    """n evaluation seeds from HELD_OUT_SEED_START up; training draws seeds below TRAIN_SEED_END only."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"held_out_seeds needs a non-negative int count, got {n!r}")
-    return list(range(HELD_OUT_SEED_START, HELD_OUT_SEED_START + n))
 
 
 # ----------------------------------------------------------------------------------------------------------------
