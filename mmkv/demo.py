@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from mmkv.cli import UsageError
+from mmkv.io import save_pretrained
 
 DEFAULT_OUT = "runs/demo"  # trained video model
 DEFAULT_OUT_RANDOM = "runs/demo-random"
@@ -196,9 +197,9 @@ def write_tiny_clap(directory: str | Path, seed: int = 0) -> Path:
         model = ClapModel(ClapConfig(text_config=TINY_CLAP_TEXT, audio_config=TINY_CLAP_AUDIO, projection_dim=512))
     reinit_(model, seed, "clap").eval()
     d = Path(directory)
-    model.save_pretrained(d)
+    save_pretrained(model, d)
     # larger_clap_general's preprocessor: rand_trunc + repeatpad (the CLI truncates first, so rand_trunc never runs)
-    ClapFeatureExtractor(truncation="rand_trunc", padding="repeatpad").save_pretrained(d)
+    save_pretrained(ClapFeatureExtractor(truncation="rand_trunc", padding="repeatpad"), d)
     return d
 
 

@@ -161,3 +161,23 @@ def wav_bytes(samples, sample_rate: int) -> bytes:
 
 def atomic_save_wav(path: str | os.PathLike, samples, sample_rate: int) -> Path:
     return atomic_write_bytes(path, wav_bytes(samples, sample_rate))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_pretrained(obj: Any, folder: str | os.PathLike) -> Path:
+    """`obj.save_pretrained(folder)` (a transformers / diffusers model, tokenizer or feature extractor), then give
+    the files it wrote the user's umask: transformers 5 writes `model.safetensors` through a 0600 temp file."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()}
+    obj.save_pretrained(str(folder))
+    mode = 0o666 & ~_umask()
+    for p in folder.iterdir():
+        if p.is_file() and before.get(p.name) != p.stat().st_mtime_ns and p.stat().st_mode & 0o777 != mode:
+            os.chmod(p, mode)
+    return folder

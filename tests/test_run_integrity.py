@@ -229,6 +229,24 @@ def test_output_files_follow_the_umask(assets, tmp_path, capsys, umask):
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o666 & ~umask) for p in files}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_model_folders_follow_the_umask(tmp_path, umask):
+    """transformers 5 saves model.safetensors through a 0600 temp file; the project's writers fix the mode."""
+    from mmkv.demo import write_tiny_clap
+    from mmkv.pipelines.wan.tiny import write_tiny_base
+
+    old = os.umask(umask)
+    try:
+        write_tiny_base(tmp_path / "base")
+        write_tiny_clap(tmp_path / "clap")
+    finally:
+        os.umask(old)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"model.safetensors", "diffusion_pytorch_model.safetensors", "tokenizer.json"}
+    assert {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files} == {
+        str(p.relative_to(tmp_path)): oct(0o666 & ~umask) for p in files}
+
+
 @pytest.fixture
 def disk_full(monkeypatch):
     """Temp files of the named outputs become links to /dev/full, where every write fails with ENOSPC."""

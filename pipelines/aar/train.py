@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from mmkv.codecs.base import private_generator
+from mmkv.io import save_pretrained
 from mmkv.demo import TINY_CLAP_AUDIO, TINY_CLAP_TEXT
 from mmkv.pipelines.aar import sounds
 from mmkv.pipelines.aar.loaders import load_aar, load_sat, save_released_format
@@ -219,9 +220,8 @@ def write_clap(folder: Path, model, extractor, tokenizer) -> None:
     """A local CLAP folder as `clap.ClapEmbedder` reads it: config.json + model.safetensors + the feature
     extractor, and the caption tokenizer for the text side."""
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder))
-    extractor.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
+    for part in (model, extractor, tokenizer):
+        save_pretrained(part, folder)
 
 
 # ----------------------------------------------------------------------------------------------------------------

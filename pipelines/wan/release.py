@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmkv.io import save_pretrained
 from mmkv.pipelines.training import frozen_copy
 
 if TYPE_CHECKING:
@@ -34,9 +35,9 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
         shutil.copytree(base_from, base)
     else:
         base.mkdir(parents=True, exist_ok=True)
-        _to_cpu_bf16(vae).save_pretrained(base / "vae")
-        _to_cpu_bf16(encoder).save_pretrained(base / "text_encoder")
-        tokenizer.save_pretrained(base / "tokenizer")
+        save_pretrained(_to_cpu_bf16(vae), base / "vae")
+        save_pretrained(_to_cpu_bf16(encoder), base / "text_encoder")
+        save_pretrained(tokenizer, base / "tokenizer")
         (base / "transformer").mkdir(exist_ok=True)
         dit_cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.dit.items()}
         (base / "transformer" / "config.json").write_text(json.dumps(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mmkv.io import save_pretrained
 from mmkv.codecs.base import private_generator
 from mmkv.pipelines.wan.keymaps import dit_key_to_original, t5_key_to_original
 
@@ -269,9 +270,9 @@ def write_tiny_base(path: str | Path, layout: str = "diffusers", seed: int = 0) 
     path.mkdir(parents=True, exist_ok=True)
     vae, enc, tok = tiny_vae(seed), tiny_text_encoder(seed), tiny_tokenizer()
     if layout == "diffusers":
-        vae.save_pretrained(path / "vae")
-        enc.save_pretrained(path / "text_encoder")
-        tok.save_pretrained(path / "tokenizer")
+        save_pretrained(vae, path / "vae")
+        save_pretrained(enc, path / "text_encoder")
+        save_pretrained(tok, path / "tokenizer")
         (path / "transformer").mkdir(exist_ok=True)
         cfg = {"_class_name": "WanTransformer3DModel", **{k: list(v) if isinstance(v, tuple) else v
                                                           for k, v in TINY_DIT.items()}, "text_len": TINY_TEXT_LEN}
@@ -284,7 +285,7 @@ def write_tiny_base(path: str | Path, layout: str = "diffusers", seed: int = 0) 
     elif layout == "original":
         torch.save(vae_diffusers_to_original(vae.state_dict()), path / "Wan2.1_VAE.pth")
         torch.save(t5_transformers_to_original(enc.state_dict()), path / "models_t5_umt5-xxl-enc-bf16.pth")
-        tok.save_pretrained(path / "google" / "umt5-xxl")
+        save_pretrained(tok, path / "google" / "umt5-xxl")
         d = TINY_DIT
         cfg = {"_class_name": "WanModel", "dim": d["num_attention_heads"] * d["attention_head_dim"],
                "eps": d["eps"], "ffn_dim": d["ffn_dim"], "freq_dim": d["freq_dim"], "in_dim": d["in_channels"],

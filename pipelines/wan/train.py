@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from mmkv.io import save_pretrained
 from mmkv.pipelines.training import (
     add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, seeded, start_stage,
 )
@@ -316,7 +317,7 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
         set_latent_stats(vae, cfg, seed, device)
     psnr = vae_psnr(vae, scenes.held_out_seeds(16 if cfg.name != "micro" else 2), frames=cfg.frames,
                     height=cfg.height, width=cfg.width, device=device, batch=cfg.encode_batch)
-    vae.to("cpu").save_pretrained(out / "vae")
+    save_pretrained(vae.to("cpu"), out / "vae")
     return {**stats, "held_out_psnr_db": round(psnr, 3), "decoder_only": decoder_only}
 
 
