@@ -178,7 +178,44 @@ def add_stage_arguments(parser, stages: tuple[str, ...], configs: dict[str, Any]
     parser.add_argument("--budget", type=float, default=None,
                         help="wall-clock seconds for the stage: steps are cut to fit after a 50-step timing probe")
     parser.add_argument("--steps", type=int, default=None, help="override the config's step count for this stage")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override one config field (repeatable; recorded in train.json), e.g. sat_lr=3e-4")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+
+
+def _typed(old: Any, text: str) -> Any:
+    """`text` as a value of `old`'s type (JSON unless a string), or None if it is not one."""
+    if isinstance(old, str):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(old, bool):
+        return value if isinstance(value, bool) else None
+    if isinstance(old, int):
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(old, float):
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(old, (list, tuple)):
+        return type(old)(value) if isinstance(value, list) else None
+    return value if isinstance(value, type(old)) else None
+
+
+def parse_overrides(cfg: Any, items: list[str]) -> dict[str, Any]:
+    """`--set FIELD=VALUE` items as overrides of `cfg`'s fields, each VALUE of its field's type (read as JSON:
+    numbers, true / false, lists, objects; strings as they are)."""
+    fields = sorted(set(cfg.to_dict()) - {"name"})  # the name picks the output files: choose it with --config
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        value = _typed(getattr(cfg, name), text)
+        if value is None:
+            raise ValueError(f"--set {item!r}: {name} takes a {type(getattr(cfg, name)).__name__}, got {text!r}")
+        out[name] = value
+    return out
 
 
 @dataclass

@@ -22,9 +22,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CFG = train.get_config("micro")
 
 
-def _run(stage: str, out, source=None, steps=None, init=None, seed=0):
+def _run(stage: str, out, source=None, steps=None, init=None, seed=0, overrides=()):
     ns = argparse.Namespace(stage=stage, config="micro", source=str(source) if source else None, out=str(out),
-                            seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None)
+                            seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None,
+                            overrides=list(overrides))
     assert train.run(ns) == 0
     return json.loads((out / "train.json").read_text())
 
@@ -37,7 +38,7 @@ def _falls(curve, ratio):
 def stages(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_audio")
     records = {"clap": _run("clap", root / "clap")}
-    records["sat"] = _run("sat", root / "sat", root / "clap")
+    records["sat"] = _run("sat", root / "sat", root / "clap", overrides=["sat_si_snr=0.01"])
     records["aar"] = _run("aar", root / "aar", root / "sat")
     return root, records
 
@@ -77,6 +78,8 @@ def test_train_json_reports_the_held_out_scores(stages):
     assert all(0 <= v["accuracy"] <= 1 and 0 < v["chance"] <= 1 for v in top1.values())
     held = rec["sat"]["heldout"]
     assert math.isfinite(held["si_snr_db"]) and held["log_mel_l1"] > 0
+    assert set(held["si_snr_db_by_kind"]) <= set(sounds.KINDS) and held["si_snr_db_by_kind"]
+    assert rec["sat"]["config"]["sat_si_snr"] == 0.01 and "si_snr_db" in rec["sat"]["loss_parts_last"]
     assert [u["tokens"] for u in held["codebook_usage"]] == list(CFG.sat["multi_scale"])
     assert all(1 <= u["used"] <= u["of"] == CFG.sat["bins"] for u in held["codebook_usage"])
     aar = rec["aar"]["heldout"]
@@ -239,3 +242,26 @@ def test_init_continues_a_stage_from_its_weights(stages, tmp_path, stage):
     assert more["init"] == str(root / stage) and more["steps"] == 3
     if stage != "clap":  # 12 steps of CLAP learn nothing that carries to other clips
         assert more["loss_curve"][0][1] < rec[stage]["loss_curve"][0][1]
+
+
+def test_batch_si_snr_equals_the_float64_one_per_clip():
+    from mmkv.pipelines.aar.sat_training import batch_si_snr_db, si_snr_db
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(3, 2000, generator=gen)
+    est = ref + 0.3 * torch.randn(3, 2000, generator=gen)
+    per_clip = [si_snr_db(ref[i], est[i]) for i in range(3)]
+    assert batch_si_snr_db(est, ref).item() == pytest.approx(float(np.mean(per_clip)), abs=1e-4)
+    assert 5 < per_clip[0] < 15  # 0.3 noise: about 10.5 dB
+
+
+def test_set_overrides_config_fields_with_their_types_and_names_bad_ones():
+    from mmkv.pipelines.training import parse_overrides
+
+    assert parse_overrides(CFG, ["sat_lr=1e-4", "sat_batch=8", "sat_si_snr=1"]) == {
+        "sat_lr": 1e-4, "sat_batch": 8, "sat_si_snr": 1.0}
+    for bad, words in [("sat_batch=2.5", "sat_batch takes a int"), ("nope=1", "expected FIELD=VALUE"),
+                       ("sat_lr", "expected FIELD=VALUE"), ("name=x", "expected FIELD=VALUE"),
+                       ("sat_lr=fast", "sat_lr takes a float")]:
+        with pytest.raises(ValueError, match=words):
+            parse_overrides(CFG, [bad])

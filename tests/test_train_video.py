@@ -15,7 +15,7 @@ from mmkv.pipelines.wan import train
 def _run(stage: str, out, source=None, steps=None, init=None, seed=0, decoder_only=False):
     ns = argparse.Namespace(stage=stage, config="micro", source=str(source) if source else None, out=str(out),
                             seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None,
-                            decoder_only=decoder_only)
+                            decoder_only=decoder_only, overrides=[])
     assert train.run(ns) == 0
     return json.loads((out / "train.json").read_text())
 
@@ -163,7 +163,7 @@ def test_summary_counts_a_missing_object_as_wrong():
 def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
     """What the DiT learns in teacher forcing is what inference asks of it: the flow of a noisy block seeing the clean
     blocks before it through the mask equals the flow of the same block denoised after those clean blocks were
-    committed to a KV cache (mode "commit" at t = 0), block by block."""
+    committed to a KV cache (mode "commit" at t = 0), block by block; the first-block steps' flow equals block 1's."""
     from mmkv.cache import CacheConfig, KVStore
 
     cfg = train.get_config("micro")
@@ -179,6 +179,7 @@ def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
     mask = train.teacher_forcing_mask(f, fpb, dit.tokens_per_frame(h, w))
     with torch.no_grad():
         full = train.teacher_forced_flow(dit, clean, noisy, t, context, mask)
+        first = train.first_block_flow(dit, noisy[:, :fpb], t[:, :fpb], context)
         store = KVStore(CacheConfig(codec=None, residual_window=f), num_layers=dit.num_layers,
                         num_heads=dit.num_heads, head_dim=dit.head_dim)
         dit.reset()
@@ -186,6 +187,8 @@ def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
             for j, s in enumerate(range(0, f, fpb)):
                 flow = dit(noisy[:, s:s + fpb], t_blocks[j], context, start_frame=s, mode="denoise")
                 torch.testing.assert_close(flow, full[:, s:s + fpb], rtol=1e-4, atol=1e-4)
+                if j == 0:  # the first-block steps' flow too
+                    torch.testing.assert_close(flow, first, rtol=1e-4, atol=1e-4)
                 dit(clean[:, s:s + fpb], 0.0, context, start_frame=s, mode="commit")
 
 

@@ -58,13 +58,14 @@ from mmkv.pipelines.aar.clap_training import (  # noqa: F401  (re-exported: trai
 )
 from mmkv.pipelines.aar.sat_training import (  # noqa: F401
     CodebookTraining, MelLoss, codebook_step, evaluate_sat, init_sat, kmeans_init_, quantize, si_snr_db,
+    batch_si_snr_db,
 )
 from mmkv.pipelines.aar.train_data import (  # noqa: F401
     ATTRIBUTES, caption_tokenizer, clap_features, clap_inputs, clap_waves, draw_sounds, feature_extractor,
     named_groups, random_crop, render_clips, tokenize,
 )
 from mmkv.pipelines.training import (
-    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, start_stage,
+    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, start_stage,
 )
 
 STAGES = ("clap", "sat", "aar")
@@ -111,6 +112,11 @@ class AudioTrainConfig:
     kmeans_iters: int = 50
     dead_code: float = 2.0
     commitment: float = 1.0
+    # SAT waveform terms: upstream's 0.1 L1 (`losses.py`), and a weight on -SI-SNR in dB (Le Roux et al. 2019).
+    # Without the GAN, the mel terms leave the phase free: the first GPU run reconstructed the log-mel (L1 0.18) but
+    # not the waveform (held-out SI-SNR -33 dB, every kind; docs/training.md).
+    sat_wave_l1: float = 0.1
+    sat_si_snr: float = 0.0
     warmup: int = 100
     encode_batch: int = 64
 
@@ -263,7 +269,7 @@ def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     codebooks = CodebookTraining(cfg.codebook_decay, kmeans_iters=cfg.kmeans_iters, dead_code=cfg.dead_code,
                                  generator=torch.Generator().manual_seed(seed + 42))
     mel = MelLoss(cfg.sample_rate, device)
-    parts: dict[str, list[torch.Tensor]] = {"l1": [], "mel": [], "commit": []}
+    parts: dict[str, list[torch.Tensor]] = {"l1": [], "mel": [], "commit": [], "si_snr_db": []}
 
     def loss_fn(step: int) -> torch.Tensor:
         idx = torch.randint(0, len(batch), (cfg.sat_batch,), generator=train_gen).to(device)
@@ -271,9 +277,11 @@ def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
         f_hat, _, commit = quantize(sat, sat.encoder(wave), codebooks, cfg.commitment)
         recon = sat.fhat_to_audio(f_hat)
         l1, lm = F.l1_loss(recon, wave), mel(recon, wave)
-        for k, v in (("l1", l1), ("mel", lm), ("commit", commit)):
+        si = batch_si_snr_db(recon[:, 0], wave[:, 0])
+        for k, v in (("l1", l1), ("mel", lm), ("commit", commit), ("si_snr_db", si)):
             parts[k].append(v.detach())
-        return l1 / 10 + lm + commit
+        loss = cfg.sat_wave_l1 * l1 + lm + commit
+        return loss - cfg.sat_si_snr * si if cfg.sat_si_snr else loss
 
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(sat.parameters()), loss_fn, steps=cfg.sat_steps, lr=cfg.sat_lr, warmup=cfg.warmup,
@@ -449,7 +457,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {f"{args.stage}_steps": args.steps} if args.steps is not None else {}
+    overrides = parse_overrides(get_config(args.config), args.overrides)
+    if args.steps is not None:
+        overrides[f"{args.stage}_steps"] = args.steps
     cfg = get_config(args.config, **overrides)
     st = start_stage(args, first_stage="clap", previous={"sat": "clap", "aar": "sat"})
     common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)

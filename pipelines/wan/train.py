@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from mmkv.io import save_pretrained
 from mmkv.pipelines.training import (
-    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, pick_config, seeded, start_stage,
+    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, seeded, start_stage,
 )
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.release import write_release  # noqa: F401  (re-exported: train.write_release)
@@ -93,6 +93,12 @@ class VideoTrainConfig:
     distill_lr: float
     warmup: int = 100
     frames_per_block: int = 3
+    # A share of the DiT steps trains the first block alone (no context), `first_block_batch` clips at a time. Only
+    # there must the model draw the scene from the caption: later blocks can copy it from their clean context, so
+    # with teacher forcing alone the text is informative for 1 block in 7 (measured: a model that ignores the
+    # colour word; docs/training.md). A first block is 1/14 of a doubled sequence's tokens, so these steps are cheap.
+    first_block_share: float = 0.0
+    first_block_batch: int = 128
     encode_batch: int = 32
     ode_batch: int = 256
 
@@ -121,6 +127,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
         dit_clips=8192, dit_steps=6000, dit_batch=32, dit_lr=5e-4, ema=0.999, empty_caption=0.1, framewise=0.25,
         shift=5.0,
         ode_clips=3072, ode_steps=48, guidance=2.0, distill_steps=3000, distill_batch=32, distill_lr=1e-4,
+        first_block_share=0.5, first_block_batch=128,
     ),
     # CPU smoke test: the same code on a few-second budget (head_dim 32, 32x48 px, 6 latent frames).
     "micro": VideoTrainConfig(
@@ -135,7 +142,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
         vae_long_share=0.5, vae_long_frames=13, vae_long_size=(16, 24), vae_long_batch=1,
         dit_clips=8, dit_steps=30, dit_batch=4, dit_lr=3e-3, ema=0.9, empty_caption=0.1, framewise=0.25, shift=5.0,
         ode_clips=4, ode_steps=4, guidance=2.0, distill_steps=20, distill_batch=4, distill_lr=1e-3, warmup=5,
-        encode_batch=4, ode_batch=4,
+        encode_batch=4, ode_batch=4, first_block_share=0.5, first_block_batch=8,
     ),
 }
 
@@ -269,6 +276,11 @@ def teacher_forced_flow(dit, clean: torch.Tensor, noisy: torch.Tensor, t_frames:
     positions = torch.arange(f, device=clean.device).repeat(2)
     out = dit(inputs, timestep, context, mode="full", attn_mask=mask, frame_positions=positions)
     return out[:, f:]
+
+
+def first_block_flow(dit, noisy: torch.Tensor, t_frames: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """The DiT's flow for a clip's first block [B, fpb, C, h, w] alone (no context), as a rollout denoises it."""
+    return dit(noisy, t_frames, context, mode="full")
 
 
 def block_timesteps(gen: torch.Generator, batch: int, num_frames: int, fpb: int, shift: float,
@@ -439,18 +451,27 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
     cpu_gen = torch.Generator().manual_seed(seed + 11)
 
     def loss_fn(step: int) -> torch.Tensor:
-        idx = torch.randint(0, data.shape[0], (cfg.dit_batch,), generator=cpu_gen).to(device)
+        first_only = float(torch.rand(1, generator=cpu_gen)) < cfg.first_block_share
+        batch = cfg.first_block_batch if first_only else cfg.dit_batch
+        idx = torch.randint(0, data.shape[0], (batch,), generator=cpu_gen).to(device)
         x0 = data[idx].float()
-        drop = (torch.rand(cfg.dit_batch, generator=cpu_gen) < cfg.empty_caption).to(device)
+        drop = (torch.rand(batch, generator=cpu_gen) < cfg.empty_caption).to(device)
         b_ids = torch.where(drop[:, None], empty_ids, ids[idx])
         b_mask = torch.where(drop[:, None], empty_mask, mask[idx])
         context = text_states(encoder, b_ids, b_mask)
-        fpb = 1 if float(torch.rand(1, generator=cpu_gen)) < cfg.framewise else cfg.frames_per_block
-        t = block_timesteps(gen, cfg.dit_batch, f, fpb, cfg.shift, device)
+        if first_only:  # text-to-first-block: the block denoised on its own, as a rollout's first block is
+            x0 = x0[:, :cfg.frames_per_block]
+            t = block_timesteps(gen, batch, cfg.frames_per_block, cfg.frames_per_block, cfg.shift, device)
+        else:
+            fpb = 1 if float(torch.rand(1, generator=cpu_gen)) < cfg.framewise else cfg.frames_per_block
+            t = block_timesteps(gen, batch, f, fpb, cfg.shift, device)
         sigma = (t / 1000).view(*t.shape, 1, 1, 1)
         noise = torch.randn(x0.shape, generator=gen, device=device)
         noisy = (1 - sigma) * x0 + sigma * noise
-        flow = teacher_forced_flow(dit, x0, noisy, t, context, masks[fpb])
+        if first_only:
+            flow = first_block_flow(dit, noisy, t, context)
+        else:
+            flow = teacher_forced_flow(dit, x0, noisy, t, context, masks[fpb])
         return F.mse_loss(flow.float(), noise - x0)
 
     def after(step: int) -> None:
@@ -478,7 +499,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {}
+    overrides = parse_overrides(get_config(args.config), args.overrides)
     if args.steps is not None:
         overrides[{"vae": "vae_steps", "dit": "dit_steps", "distill": "distill_steps"}[args.stage]] = args.steps
     cfg = get_config(args.config, **overrides)
