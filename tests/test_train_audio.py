@@ -82,6 +82,7 @@ def test_train_json_reports_the_held_out_scores(stages):
     assert rec["sat"]["config"]["sat_si_snr"] == 0.01 and "si_snr_db" in rec["sat"]["loss_parts_last"]
     assert [u["tokens"] for u in held["codebook_usage"]] == list(CFG.sat["multi_scale"])
     assert all(1 <= u["used"] <= u["of"] == CFG.sat["bins"] for u in held["codebook_usage"])
+    assert held["usage_clips"] == 12
     aar = rec["aar"]["heldout"]
     assert len(aar["ce_cond_per_scale"]) == len(CFG.sat["multi_scale"]) and aar["ce_cond"] > 0
     assert aar["rollouts"]["clips"] == CFG.eval_rollouts and aar["rollouts"]["finite"]

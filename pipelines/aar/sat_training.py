@@ -217,6 +217,12 @@ def evaluate_sat(sat: SAT, cfg: AudioTrainConfig, device: torch.device) -> dict[
         by_kind.setdefault(held[i].kind, []).append(v)
     mel_l1 = [float((log_mel(recon_all[i].numpy(), cfg.sample_rate) - log_mel(ref[i].numpy(), cfg.sample_rate))
                     .abs().mean()) for i in range(len(held))]
+    # Codebook use over more clips than the reconstruction scores: scale 0 codes one token a clip, so 128 clips
+    # could use at most 128 of its 1024 codes.
+    extra = [sounds.sample_sound(s) for s in sounds.held_out_seeds(cfg.sat_usage_clips)[len(held):]]
+    for i in range(0, len(extra), cfg.encode_batch):
+        w = render_clips(extra[i:i + cfg.encode_batch], cfg, device, torch.Generator().manual_seed(3 + i))
+        tokens.append(quantize(sat, sat.encoder(w[:, None]))[1])
     usage = []
     bins = cfg.sat_config().bins
     for si_, pn in enumerate(cfg.sat_config().multi_scale):
@@ -228,4 +234,5 @@ def evaluate_sat(sat: SAT, cfg: AudioTrainConfig, device: torch.device) -> dict[
     return {"clips": len(held), "si_snr_db": round(float(np.mean(si)), 3) if si else None,
             "si_snr_clips": len(si),
             "si_snr_db_by_kind": {k: round(float(np.mean(v)), 3) for k, v in sorted(by_kind.items())},
-            "log_mel_l1": round(float(np.mean(mel_l1)), 4), "codebook_usage": usage}
+            "log_mel_l1": round(float(np.mean(mel_l1)), 4), "usage_clips": max(len(held), cfg.sat_usage_clips),
+            "codebook_usage": usage}

@@ -117,6 +117,7 @@ class AudioTrainConfig:
     # not the waveform (held-out SI-SNR -33 dB, every kind; docs/training.md).
     sat_wave_l1: float = 0.1
     sat_si_snr: float = 0.0
+    sat_usage_clips: int = 2048  # held-out clips whose tokens count the codes used (at least sat_eval_clips)
     warmup: int = 100
     encode_batch: int = 64
 
@@ -160,7 +161,7 @@ CONFIGS: dict[str, AudioTrainConfig] = {
         clap_clips=8, clap_steps=12, clap_batch=8, clap_lr=2e-3, retrieval_clips=8,
         sat_clips=8, sat_steps=30, sat_batch=4, sat_lr=3e-3, sat_eval_clips=4,
         aar_clips=8, aar_steps=30, aar_batch=8, aar_lr=3e-3, aar_eval_clips=4, eval_rollouts=2,
-        ema=0.9, kmeans_iters=5, warmup=5, encode_batch=8,
+        ema=0.9, kmeans_iters=5, warmup=5, encode_batch=8, sat_usage_clips=12,
     ),
 }
 
