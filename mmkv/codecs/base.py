@@ -92,7 +92,8 @@ class Codec:
     # one by one (the store then merges them: CacheConfig.merge_units). Codecs grouping over tokens leave it False.
     token_local: bool = False
     # True when the leading dims of an encoding are independent rows whose decode does not depend on how many there
-    # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`).
+    # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`); its
+    # decode kernel then writes the stack straight into token order (`Codec.decode(out=...)` of the transposed view).
     stackable: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
