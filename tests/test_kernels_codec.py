@@ -551,3 +551,34 @@ def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, 
     want = past(False)
     got = past(True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16,role=v", "groupquant:bits=4,group=16", "oscar:bits=2,group=16",
+                                    "turboquant-mse:b=2", "turboquant-mse:b=4,norm=16", "octopus:b=2,joint=0"])
+def test_plain_encode_on_a_kernel_reads_its_checks_in_one_sync(kernels_on_cpu, monkeypatch, preset):
+    """A plain `codec.encode(x)` on a kernel that flags NaN/Inf from its encoding scans nothing first and reads every
+    check in one host sync; the encoding equals the kernel's own, and a NaN or Inf anywhere is refused with the
+    scan's message."""
+    codec = build(preset, head_dim=32, num_heads=2, seed=4)
+    x = keys((1, 2, 40, 32), 21, torch.bfloat16)
+    want = kernel(codec, "encode")(codec, x)
+    reads = []
+    with pytest.MonkeyPatch.context() as mp:  # the fixture's kernel lookup stays in place
+        for name in ("item", "__bool__"):
+            real = getattr(torch.Tensor, name)
+            mp.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
+        got = codec.encode(x)
+    assert len(reads) == 1
+    assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+    scans = []
+    real_scan = type(codec).check_finite
+    monkeypatch.setattr(type(codec), "check_finite", lambda self, t: scans.append(1) or real_scan(self, t))
+    codec.encode(x)
+    assert not scans  # finite input: never scanned
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[0, 1, 33, 7] = bad
+        with pytest.raises(CodecError, match="input has 1 NaN/Inf values"):
+            codec.encode(y)
+    assert len(scans) == 3
