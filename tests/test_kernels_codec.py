@@ -554,8 +554,9 @@ def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, 
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16,role=v", "groupquant:bits=4,group=16", "oscar:bits=2,group=16",
-                                    "turboquant-mse:b=2", "turboquant-mse:b=4,norm=16", "octopus:b=2,joint=0"])
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16,role=v", "groupquant:bits=4,group=16",
+                                    "oscar:bits=2,group=16", "turboquant-mse:b=2", "turboquant-mse:b=4,norm=16",
+                                    "octopus:b=2,joint=0"])
 def test_plain_encode_on_a_kernel_reads_its_checks_in_one_sync(kernels_on_cpu, monkeypatch, preset):
     """A plain `codec.encode(x)` on a kernel that flags NaN/Inf from its encoding scans nothing first and reads every
     check in one host sync; the encoding equals the kernel's own, and a NaN or Inf anywhere is refused with the

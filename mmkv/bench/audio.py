@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16",
                         help="the transformer blocks' and KV cache's dtype (default bf16; the head and SAT stay fp32)")
     parser.add_argument("--tiny", action="store_true",
-                        help="the micro AAR + SAT (4 scales, depth 2) on the CPU (or the GPU when there is one): checks "
-                             "the bench, times nothing that matters")
+                        help="the micro AAR + SAT (4 scales, depth 2) on the CPU (or the GPU when there is one): "
+                             "checks the bench, times nothing that matters")
     add_cache_arguments(parser, ("--residual-window", "--reuse-decoded"), units="scales")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec; the median is reported (default 3)")

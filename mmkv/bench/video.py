@@ -270,7 +270,8 @@ def table(rows: list[dict], title: str) -> str:
     from mmkv.report.tables import Column, Table, to_markdown
 
     mib, gib = 2.0**20, 2.0**30
-    cols = [Column("model", ("loop",)), Column("codec", ("codec",)), Column("frames", ("frames",)), Column("seconds", ("s",), "{:.2f}"),
+    cols = [Column("model", ("loop",)), Column("codec", ("codec",)), Column("frames", ("frames",)),
+            Column("seconds", ("s",), "{:.2f}"),
             Column("ratio_to_bf16", ("x bf16 cache",), "{:.2f}"), Column("kv_mib", ("KV MiB",), "{:.0f}"),
             Column("kv_ratio", ("KVx",), "{:.2f}"), Column("peak_kv_mib", ("peak KV MiB",), "{:.0f}"),
             Column("bound_mib", ("bf16 KV / KVx MiB",), "{:.0f}"),
