@@ -42,26 +42,59 @@ def decode_out(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     caller's `out` (e.g. a token slice of a contiguous [B, H, T_total, D] gather buffer, so the decode lands where
     attention reads it, with no copy). `out` must have the shape and dtype, unit channel stride, token stride D, and
     rows (the flattened leading indices) evenly strided; otherwise ValueError (the caller copies instead)."""
+    out, (n1, n2, s0, _, _) = decode_out_rows(shape, dtype, device, out)
+    if n1 > 1 or n2 > 1:
+        raise ValueError(f"decode out rows are not evenly strided: strides {out.stride()}, shape {tuple(shape)}")
+    return out, s0
+
+
+def decode_out_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, out: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, tuple[int, int, int, int, int]]:
+    """`decode_out` for kernels that address their output rows in up to three evenly strided levels: row
+    r = (i0 * n1 + i1) * n2 + i2 starts at i0 * s0 + i1 * s1 + i2 * s2 (`out_row`). That takes a stack of units
+    [B, n, H, T, D] written straight into token order, the view [B, H, n * T, D] -> [B, n, H, T, D] of a gather
+    buffer slice that `mmkv.attention.gather` passes. Returns (out, (n1, n2, s0, s1, s2)); ValueError when `out`
+    needs more levels, its rows overlap, or its token and channel strides are not D and 1."""
     *lead, t, d = shape
+    flat = (1, 1, t * d, 0, 0)
     if out is None:
-        return torch.empty(shape, dtype=dtype, device=device), t * d
+        return torch.empty(shape, dtype=dtype, device=device), flat
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != torch.device(device):
         raise ValueError(f"decode out must be {tuple(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} "
                          f"on {out.device}")
     if out.numel() == 0:
-        return out, t * d
+        return out, flat
     if (d > 1 and out.stride(-1) != 1) or (t > 1 and out.stride(-2) != d):
         raise ValueError(f"decode out needs token stride {d} and channel stride 1, got strides {out.stride()}")
-    dims = [(out.shape[i], out.stride(i)) for i in range(len(lead)) if out.shape[i] > 1]
-    if not dims:
-        return out, t * d
-    rs = dims[-1][1]
-    for (_, outer), (size, inner) in zip(dims, dims[1:]):  # each leading dim steps over whole rows of the next
-        if outer != inner * size:
-            raise ValueError(f"decode out rows are not evenly strided: strides {out.stride()}, shape {tuple(shape)}")
-    if rs < t * d:
-        raise ValueError(f"decode out rows overlap: row stride {rs} < {t} x {d}")
-    return out, rs
+    levels: list[list[int]] = []  # [size, stride], outermost first, each level's dims merged when evenly strided
+    for i in range(len(lead)):
+        size, stride = out.shape[i], out.stride(i)
+        if size == 1:
+            continue
+        if levels and levels[-1][1] == stride * size:
+            levels[-1] = [levels[-1][0] * size, stride]
+        else:
+            levels.append([size, stride])
+    if len(levels) > 3:
+        raise ValueError(f"decode out rows need more than three strided levels: strides {out.stride()}, "
+                         f"shape {tuple(shape)}")
+    extent = t * d  # rows must not overlap: by increasing stride, each level steps over all the finer ones
+    for size, stride in sorted(levels, key=lambda lv: lv[1]):
+        if stride < extent:
+            raise ValueError(f"decode out rows overlap: strides {out.stride()}, shape {tuple(shape)}")
+        extent = stride * size
+    if not levels:
+        return out, flat
+    (_, s0), (n1, s1), (n2, s2) = levels + [[1, 0]] * (3 - len(levels))
+    return out, (n1, n2, s0, s1, s2)
+
+
+@triton.jit
+def out_row(row64, N1, N2, S0, S1, S2):
+    """Offset of output row `row64` under `decode_out_rows`'s levels (N1 = N2 = 1: plain row * S0)."""
+    i2 = row64 % N2
+    i1 = (row64 // N2) % N1
+    return (row64 // (N1 * N2)) * S0 + i1 * S1 + i2 * S2
 
 
 def head_count(codec) -> int:

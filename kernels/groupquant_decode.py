@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, rows_of, store_rows, token_block, vector
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, out_row, rows_of, store_rows, token_block, vector
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht, fwht_lanes
@@ -20,11 +20,12 @@ from mmkv.kernels.rotation import fwht, fwht_lanes
 @triton.jit
 def _minmax_decode_kernel(
     codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr,
-    T, NH, rscale, row_bytes, NGT, vr, ORS,
+    T, NH, rscale, row_bytes, NGT, vr, N1, N2, S0, S1, S2,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
 ):
     row, row64, t0, n_tok = token_block(T, BT)
+    orow = out_row(row64, N1, N2, S0, S1, S2)
     tt = tl.arange(0, BT)
     jj = tl.arange(0, DP)
     valid = (tt < n_tok)[:, None] & (jj < D)[None, :]
@@ -46,9 +47,9 @@ def _minmax_decode_kernel(
     if ROTATE:
         y = fwht(y, BT, DP) * rscale if ROWS else fwht_lanes(y, BT, DP) * rscale
     if ROWS:
-        store_rows(out_ptr, row64 * ORS, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+        store_rows(out_ptr, orow, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
     else:
-        off = row64 * ORS + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
+        off = orow + (t0 + tt).to(tl.int64)[:, None] * D + jj[None, :]
         tl.store(out_ptr + off, cast_to(y, out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -66,11 +67,11 @@ def minmax_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_minmax` on the kernel, cast to `dtype`; `norm` multiplies each token and `rotate` applies H last.
-    `out`: write there (see `decode_out`)."""
+    `out`: write there (see `decode_out_rows`: a stack of units may land straight in token order)."""
     *lead, T, D = shape
     codes = tensors["codes"].contiguous()
     dev = codes.device
-    out, ors = decode_out(shape, dtype, dev, out)
+    out, rows_at = decode_out_rows(shape, dtype, dev, out)
     rows = rows_of(out)
     if not rows or not T:
         return out
@@ -82,7 +83,7 @@ def minmax_decode(
     _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](
         codes, tensors["scale"].contiguous(), tensors["offset"].contiguous(),
         norm if norm is not None else tensors["scale"], out,
-        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group), v, ors,
+        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group), v, *rows_at,
         D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
         ROWS=by_rows, V=v, num_warps=max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8), **LAUNCH,
     )

@@ -48,12 +48,17 @@ def _minmax_encode_kernel(
         v3 = tl.reshape(valid, (BT // G, G, DP))
         mn = tl.min(tl.where(v3, x3, float("inf")), axis=1)
         mx = tl.max(tl.where(v3, x3, float("-inf")), axis=1)
+        nan = tl.max((v3 & (x3 != x3)).to(tl.int32), axis=1) > 0
     else:
         GK: tl.constexpr = G if G < DP else DP
         x3 = tl.reshape(x, (BT, DP // GK, GK))
         v3 = tl.reshape(valid, (BT, DP // GK, GK))
         mn = tl.min(tl.where(v3, x3, float("inf")), axis=2)
         mx = tl.max(tl.where(v3, x3, float("-inf")), axis=2)
+        nan = tl.max((v3 & (x3 != x3)).to(tl.int32), axis=2) > 0
+    # a NaN makes its group's scale NaN, as torch's amin / amax do (the GPU's min / max may drop it), so the
+    # scale check below sees every NaN/Inf of the input (`nonfinite`)
+    mx = tl.where(nan, float("nan"), mx)
     meta = scale_ptr.dtype.element_ty
     scale = tl.math.div_rn(mx - mn, LEVELS * 1.0).to(meta)
     s = scale.to(tl.float32)
@@ -151,6 +156,12 @@ def minmax_encode(
         else:  # a collected message must not keep x (a unit's K or V) alive until the caller reads the flags
             check_or_defer(bad, lambda: f"{what}; {hint}")
     return {"codes": codes, "scale": scale, "offset": offset}
+
+
+def nonfinite(codec, enc: Encoded) -> None:
+    """A NaN/Inf input makes its group's scale non-finite, which `minmax_encode`'s own check reads: nothing more
+    to flag (see `mmkv.codecs.base.Codec._encode_checked`)."""
+    return None
 
 
 def supports(codec) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.groupquant_encode import minmax_encode, supports_minmax
+from mmkv.kernels.groupquant_encode import minmax_encode, nonfinite, supports_minmax  # noqa: F401
 
 
 def supports(codec) -> bool:

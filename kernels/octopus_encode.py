@@ -153,6 +153,12 @@ def _octopus_encode_kernel(
         tl.store(rnorm_ptr + row64 * T + t0 + tt, rn.to(tl.float16), mask=tmask)
 
 
+def nonfinite(codec, enc: Encoded) -> torch.Tensor:
+    """Whether a key norm gamma is NaN/Inf, as any NaN/Inf of the input makes it (a finite input only by overflowing
+    fp32 or the fp16 gamma): the flag `mmkv.codecs.base.Codec._encode_checked` reads instead of scanning the input."""
+    return ~torch.isfinite(enc.tensors["gamma"]).all()
+
+
 def supports(codec) -> bool:
     d = codec.head_dim
     return 16 <= d <= 256 and codec.dir_bits <= 7 and codec.rho_bits <= 6

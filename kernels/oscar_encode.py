@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import LAUNCH, ROWS_WARPS, load_rows, rows_of, token_block, vector
-from mmkv.kernels.groupquant_encode import minmax_encode, supports_minmax
+from mmkv.kernels.groupquant_encode import minmax_encode, nonfinite, supports_minmax  # noqa: F401
 from mmkv.kernels.rotation import fwht
 
 

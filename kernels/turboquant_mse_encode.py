@@ -61,6 +61,13 @@ def supports(codec) -> bool:
     return 16 <= codec.head_dim <= 256
 
 
+def nonfinite(codec, enc: Encoded) -> torch.Tensor | None:
+    """Whether a token norm is NaN/Inf, as any NaN/Inf of the input makes it (a finite input only by overflowing
+    fp32): the flag `mmkv.codecs.base.Codec._encode_checked` reads instead of scanning the input. fp16 norms are
+    checked by `store_norm` already, NaN included."""
+    return None if codec.norm_bits == 16 else ~torch.isfinite(enc.tensors["norm"]).all()
+
+
 def _tables(codec, device: torch.device) -> dict:
     def build():
         lo = search_table(codec.lo_q.centroids)

@@ -157,10 +157,11 @@ def gather(
         n = part.num_tokens
         k_dst, v_dst = k_out[..., start : start + n, :], v_out[..., start : start + n, :]
         if part.encoded and part.stack > 1 and not part.skip_tokens:
-            # one decode call for all the stacked units, then one copy into token order
+            # one decode call for all the stacked units, written in token order: the slice [B, H, n * T, D] seen as
+            # the stack's [B, n, H, T, D] (the min-max decode kernel addresses those rows; others decode and copy)
             for codec, enc, dst in ((part.k_codec, part.k_enc, k_dst), (part.v_codec, part.v_enc, v_dst)):
                 b, units, h, t, d = enc.shape
-                dst.view(b, h, units, t, d).copy_(codec.decode(enc, dtype=dtype).transpose(1, 2))
+                _decode_into(codec, enc, dtype, dst.view(b, h, units, t, d).transpose(1, 2))
         elif part.encoded and not part.skip_tokens:
             _decode_into(part.k_codec, part.k_enc, dtype, k_dst)
             _decode_into(part.v_codec, part.v_enc, dtype, v_dst)

@@ -20,6 +20,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "synthetic"), "mmkv.bench.synthetic", "the OCTOPUS section 4.1 synthetic codec benchmark"),
     (("bench", "kernels"), "mmkv.bench.kernels", "GPU kernel benchmark against bf16 SDPA in the same process"),
     (("bench", "video"), "mmkv.bench.video", "GPU: full-size causal Wan DiT rollouts, compressed caches vs the bf16 cache"),
+    (("bench", "audio"), "mmkv.bench.audio", "GPU: full-size AAR + SAT rollouts, compressed caches vs the native cache"),
     (("inspect", "kv"), "mmkv.inspect", "KV-cache statistics of one rollout per layer and head (JSON + plot)"),
     (("train", "video"), "mmkv.pipelines.wan.train", "train the tiny video models on procedural clips (CUDA)"),
     (("train", "audio"), "mmkv.pipelines.aar.train", "train the tiny audio models (CLAP, SAT, AAR) on procedural clips"),

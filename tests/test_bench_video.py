@@ -54,3 +54,31 @@ def test_profile_summary_counts_kernels_launches_and_syncs():
     s = video.profile_summary(events)
     assert s["gpu_kernel_s"] == 2.5 and s["launches"] == 70 and s["triton_launches"] == 40 and s["host_syncs"] == 7
     assert list(s["top_kernels_ms"]) == ["sdpa_kernel", "_octopus_decode_kernel"]
+
+
+def test_tiny_bench_runs_every_loop_and_codec_in_one_process(tmp_path, capsys):
+    """`--tiny`: the tiny DiT on the CPU through the same bench: one row per (loop, codec), each loop's bf16-cache
+    baseline first, identity bit-exact with the native cache and a real codec not, KV x measured."""
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["bench", "video", "--tiny", "--frames", "6", "--repeats", "1", "--codecs",
+            "identity;kivi:bits=2,group=32;turboquant-mse:b=4", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["codec"]) for r in rows] == [
+        (m, c) for m in ("causvid", "causal-forcing-frame")
+        for c in ("bf16 cache", "identity", "kivi:bits=2,group=32", "turboquant-mse:b=4")]
+    by = {(r["model"], r["codec"]): r for r in rows}
+    for m in ("causvid", "causal-forcing-frame"):
+        assert by[m, "identity"]["bit_exact"] and by[m, "identity"]["rel_latent_diff"] == 0.0
+        assert not by[m, "kivi:bits=2,group=32"]["bit_exact"] and by[m, "kivi:bits=2,group=32"]["kv_ratio"] > 1
+        assert by[m, "bf16 cache"]["ratio_to_bf16"] == 1.0 and by[m, "bf16 cache"]["peak_cuda_bytes"] is None
+    assert "| causal-forcing-frame | turboquant-mse:b=4 | 6 |" in capsys.readouterr().out
+
+
+def test_default_codecs_are_the_demos_at_two_and_four_bits_and_qvg():
+    from mmkv.demo import CODECS
+
+    assert video._codecs(video.DEFAULT_CODECS) == [*CODECS[1:], "qvg:bits=2", "qvg:bits=4"]
+    assert video._models(video.DEFAULT_MODELS) == ["causvid", "causal-forcing-frame"]

@@ -535,3 +535,23 @@ def test_dispatch_lists_the_qvg_kernels(monkeypatch):
     assert dispatch.lookup("encode", build("qvg:block=16", head_dim=48)) is None
     monkeypatch.setenv("MMKV_KERNELS", "0")
     assert dispatch.lookup("decode", codec) is None
+
+
+def test_released_two_iterations_read_nothing_on_the_host(monkeypatch):
+    """With the released 2 iterations the last (and only) stop decision just picks a centre table, on the device: an
+    encode inside the store's scope reads no tensor value on the host (no host sync on CUDA), and the result is the
+    early-stop rule's (checked step by step in `check_trace` above)."""
+    from mmkv.codecs.checks import encode_scope
+
+    codec = build("qvg:bits=2,centroids=16,block=32", head_dim=32, num_heads=2, seed=2)
+    x = kv_like((1, 2, 96, 32), seed=8)
+    want = codec.encode(x)
+    reads = []
+    for name in ("item", "__bool__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
+    with encode_scope(inputs_checked=True, collect=True):
+        got = codec.encode(x)
+    monkeypatch.undo()
+    assert reads == [] and got.meta == want.meta == {"kmeans_iters": [2]}
+    assert all(torch.equal(got.tensors[k].view(torch.uint8), want.tensors[k].view(torch.uint8)) for k in want.tensors)

@@ -490,3 +490,96 @@ def test_decode_kernels_take_stacked_units(kernels_on_cpu, preset):
     for i, p in enumerate(parts):
         want = codec._decode(p)
         assert torch.allclose(got[:, i], want, rtol=0, atol=1e-6), (i, (got[:, i] - want).abs().max())
+
+
+@pytest.mark.parametrize("preset,batch", [("kivi:bits=2,group=16", 1), ("kivi:bits=4,group=8,role=v", 2),
+                                          ("oscar:bits=2,group=16", 2), ("oscar:bits=2,group=16,role=v", 1)])
+def test_stacked_units_decode_straight_into_token_order(preset, batch):
+    """The min-max decode kernel writes a stack [B, n, H, T, D] into the token-ordered gather slice
+    [B, H, n * T, D] (the view `mmkv.attention.gather` passes), bit for bit what decoding and copying gave, and
+    nothing outside the slice."""
+    from mmkv.codecs.base import stack_units
+
+    codec = build(preset, head_dim=32, num_heads=2, seed=3)
+    g = torch.Generator().manual_seed(12)
+    parts = [codec.encode(torch.randn(batch, 2, 20, 32, generator=g).to(torch.bfloat16)) for _ in range(3)]
+    stacked = stack_units(parts)
+    fn = kernel(codec, "decode")
+    want = fn(codec, stacked, torch.bfloat16).transpose(1, 2).reshape(batch, 2, 60, 32)
+    buf = torch.full((batch, 2, 5 + 60 + 4, 32), 7.0, dtype=torch.bfloat16)
+    dst = buf[..., 5 : 65, :]
+    got = fn(codec, stacked, torch.bfloat16, out=dst.view(batch, 2, 3, 20, 32).transpose(1, 2))
+    assert got.data_ptr() == dst.data_ptr()
+    assert torch.equal(dst, want)
+    assert (buf[..., :5, :] == 7).all() and (buf[..., 65:, :] == 7).all()
+
+
+def test_decode_out_rows_names_layouts_it_cannot_write():
+    from mmkv.kernels.common import decode_out, decode_out_rows
+
+    buf = torch.empty(2, 3, 4, 5, 8)
+    assert decode_out_rows((2, 3, 4, 5, 8), torch.float32, "cpu", buf)[1] == (1, 1, 40, 0, 0)  # one level
+    view = torch.empty(2, 4, 3 * 5 + 1, 8)[..., :15, :].view(2, 4, 3, 5, 8).transpose(1, 2)
+    assert decode_out_rows((2, 3, 4, 5, 8), torch.float32, "cpu", view)[1] == (3, 4, 4 * 16 * 8, 40, 16 * 8)
+    with pytest.raises(ValueError, match="not evenly strided"):
+        decode_out((2, 3, 4, 5, 8), torch.float32, "cpu", view)
+    with pytest.raises(ValueError, match="overlap"):
+        decode_out_rows((3, 5, 8), torch.float32, "cpu", torch.empty(5, 8).expand(3, 5, 8))
+    with pytest.raises(ValueError, match="token stride"):
+        decode_out_rows((3, 5, 8), torch.float32, "cpu", torch.empty(3, 8, 5).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=4,group=16"])
+def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, monkeypatch):
+    """A KVStore's stacked KIVI / OScaR past, gathered on the decode kernels (straight into token order), equals the
+    torch reference's gather bit for bit."""
+    from mmkv.cache import CacheConfig, KVStore
+
+    def past(on_kernels: bool):
+        if on_kernels:
+            import mmkv.codecs.base as base_mod
+
+            monkeypatch.setattr(base_mod, "_kernel", lambda codec, op, device: K["dispatch"].lookup(op, codec))
+        store = KVStore(CacheConfig(codec=preset, residual_window=1), num_layers=1, num_heads=2, head_dim=32)
+        g = torch.Generator().manual_seed(14)
+        for _ in range(3):
+            k, v = (torch.randn(1, 2, 2 * 16, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+            store.append(0, k, v, num_units=2)
+        assert store.segments(0)[0].stack == 5
+        return store.past(0)
+
+    want = past(False)
+    got = past(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16,role=v", "groupquant:bits=4,group=16",
+                                    "oscar:bits=2,group=16", "turboquant-mse:b=2", "turboquant-mse:b=4,norm=16",
+                                    "octopus:b=2,joint=0"])
+def test_plain_encode_on_a_kernel_reads_its_checks_in_one_sync(kernels_on_cpu, monkeypatch, preset):
+    """A plain `codec.encode(x)` on a kernel that flags NaN/Inf from its encoding scans nothing first and reads every
+    check in one host sync; the encoding equals the kernel's own, and a NaN or Inf anywhere is refused with the
+    scan's message."""
+    codec = build(preset, head_dim=32, num_heads=2, seed=4)
+    x = keys((1, 2, 40, 32), 21, torch.bfloat16)
+    want = kernel(codec, "encode")(codec, x)
+    reads = []
+    with pytest.MonkeyPatch.context() as mp:  # the fixture's kernel lookup stays in place
+        for name in ("item", "__bool__"):
+            real = getattr(torch.Tensor, name)
+            mp.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name: reads.append(_n) or _r(self, *a))
+        got = codec.encode(x)
+    assert len(reads) == 1
+    assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+    scans = []
+    real_scan = type(codec).check_finite
+    monkeypatch.setattr(type(codec), "check_finite", lambda self, t: scans.append(1) or real_scan(self, t))
+    codec.encode(x)
+    assert not scans  # finite input: never scanned
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[0, 1, 33, 7] = bad
+        with pytest.raises(CodecError, match="input has 1 NaN/Inf values"):
+            codec.encode(y)
+    assert len(scans) == 3

@@ -1,11 +1,14 @@
 """`mmkv bench video`: the full-size causal Wan DiT (random weights) with the bf16 cache and compressed caches.
 
-Issue 4's performance check: 21 latent frames at 480x832 (60x104 latents, 1560 tokens per frame), each codec's wall time
-as a ratio to the bf16 cache measured in the same process, measured KV bytes, KV x, peak KV and peak CUDA memory.
-Every codec is warmed up once on a short rollout first (Triton compilation stays out of the timings); each
-rollout is then timed `--repeats` times and the median reported (run-to-run spread on the H200 is a few per
-cent). Random weights:
-the quality columns only show that the rollouts differ, not how much a real model would.
+The performance check of docs/perf.md: 21 latent frames at 480x832 (60x104 latents, 1560 tokens per frame), on the
+chunk-wise CausVid loop and the frame-wise Causal Forcing loop (21 one-frame blocks), every codec of the demo's list
+at 2 and 4 bits (OCTOPUS, OScaR, TurboQuant-MSE, KIVI, QVG), each codec's wall time as a ratio to the bf16 cache
+measured in the same process on the same loop, measured KV bytes, KV x, peak KV and peak CUDA memory. The model is
+built once and serves every loop and codec; every (loop, codec) is warmed up once on a two-block rollout first
+(Triton compilation stays out of the timings); each rollout is then timed `--repeats` times and the median reported
+(run-to-run spread on the H200 is a few per cent). Random weights: the quality columns only show that the rollouts
+differ, not how much a real model would. `--tiny` runs the tiny DiT on the CPU instead (the tests: the rows, and
+identity bit-exact with the native cache).
 """
 
 from __future__ import annotations
@@ -17,16 +20,26 @@ from pathlib import Path
 
 from mmkv.cache.flags import add_cache_arguments
 
-DEFAULT_CODECS = "octopus:b=2;oscar:bits=2,group=32;turboquant-mse:b=2"
+DEFAULT_MODELS = "causvid,causal-forcing-frame"
+# The demo's codecs at 2 and 4 bits (mmkv/demo.py CODECS, without identity) and QVG at the release's 256 centres
+# (the demo's trained list has 16 for its tiny spans; here a span is a 4680-token chunk or a 1560-token frame).
+DEFAULT_CODECS = ("octopus:b=2;octopus:b=4;oscar:bits=2;oscar:bits=4;turboquant-mse:b=2;turboquant-mse:b=4;"
+                  "kivi:bits=2,group=32;kivi:bits=4,group=32;qvg:bits=2;qvg:bits=4")
+FULL_LATENT, TINY_LATENT = "60x104", "8x12"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="causvid", help="loop preset (default causvid)")
+    parser.add_argument("--model", default=DEFAULT_MODELS,
+                        help=f"loop presets, comma-separated (default {DEFAULT_MODELS!r})")
     parser.add_argument("--codecs", default=DEFAULT_CODECS,
                         help=f"codec presets separated by ';' (presets contain commas; default {DEFAULT_CODECS!r})")
     parser.add_argument("--frames", default="21",
                         help="latent frames, or a comma list (e.g. 21,42 with --window: the peak stays flat)")
-    parser.add_argument("--latent-size", default="60x104", help="latent HxW (default 60x104 = 480x832 pixels)")
+    parser.add_argument("--latent-size", default=None,
+                        help=f"latent HxW (default {FULL_LATENT} = 480x832 pixels; {TINY_LATENT} with --tiny)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny DiT on the CPU (or the GPU when there is one): checks the bench, times nothing "
+                             "that matters")
     add_cache_arguments(parser, ("--window", "--sink", "--residual-window", "--reuse-decoded"), units="latent frames")
     parser.add_argument("--no-merge", action="store_true",
                         help="encode unit by unit (CacheConfig.merge_units=False), to time what merging saves")
@@ -45,88 +58,135 @@ def _codecs(text: str) -> list[str]:
     return [c.strip() for c in text.split(";") if c.strip()]
 
 
+def _models(text: str) -> list[str]:
+    from mmkv.pipelines.wan.loop import get_preset
+
+    names = [m.strip() for m in str(text).split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"--model must name at least one loop preset, got {text!r}")
+    return [get_preset(n).name for n in names]  # an unknown name fails here, before the model is built
+
+
+def _latent(text: str | None, tiny: bool) -> tuple[int, int]:
+    text = text or (TINY_LATENT if tiny else FULL_LATENT)
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        h = w = 0
+    if h < 1 or w < 1:
+        raise ValueError(f"--latent-size must be HxW with positive ints (e.g. {FULL_LATENT}), got {text!r}")
+    return h, w
+
+
+def _model(tiny: bool, dev):
+    """(the causal DiT, its text context, heads, head dim, layers, the cache dtype)."""
+    import torch
+
+    from mmkv.pipelines.wan.model import CausalWan
+
+    if tiny:
+        from mmkv.pipelines.wan.tiny import TINY_DIT, TINY_TEXT_LEN, tiny_dit
+
+        cfg, dit, text_len, dtype = TINY_DIT, tiny_dit(seed=3).to(dev), TINY_TEXT_LEN, torch.float32
+    else:
+        from diffusers import WanTransformer3DModel
+
+        from mmkv.pipelines.wan.loaders import WAN21_T2V_1_3B
+
+        cfg = {k: v for k, v in WAN21_T2V_1_3B.items() if k != "text_len"}
+        with torch.random.fork_rng(devices=[]):  # diffusers' default init, seeded, leaving the global RNG alone
+            torch.manual_seed(0)
+            model = WanTransformer3DModel(**cfg)
+        dit, text_len, dtype = CausalWan(model).to(dev, torch.bfloat16), 512, torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ctx = (torch.randn(1, text_len, cfg["text_dim"], generator=g) * 0.5).to(dev, dtype)
+    return dit.eval(), ctx, cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["num_layers"]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
-    from diffusers import WanTransformer3DModel
 
     from mmkv.cache import CacheConfig, KVStore
     from mmkv.pipelines.common import NoiseStream
-    from mmkv.pipelines.wan.loaders import WAN21_T2V_1_3B
     from mmkv.pipelines.wan.loop import get_preset, rollout
-    from mmkv.pipelines.wan.model import CausalWan
 
-    if not torch.cuda.is_available():
-        raise ValueError("mmkv bench video needs a CUDA GPU (the full-size 1.3B model in bf16)")
-    h, w = (int(x) for x in args.latent_size.lower().split("x"))
-    dev = torch.device("cuda")
-    cfg = {k: v for k, v in WAN21_T2V_1_3B.items() if k != "text_len"}
-    with torch.random.fork_rng(devices=[]):  # diffusers' default init, seeded, leaving the global RNG alone
-        torch.manual_seed(0)
-        model = WanTransformer3DModel(**cfg)
-    dit = CausalWan(model).to(dev, torch.bfloat16).eval()
-    g = torch.Generator(device="cpu").manual_seed(0)
-    ctx = (torch.randn(1, 512, 4096, generator=g) * 0.5).to(dev, torch.bfloat16)
-    preset = get_preset(args.model)
-    heads, head_dim, layers = cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["num_layers"]
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        raise ValueError("mmkv bench video needs a CUDA GPU (the full-size 1.3B model in bf16); --tiny runs the tiny "
+                         "DiT on the CPU")
+    h, w = _latent(args.latent_size, args.tiny)
+    models, codecs, frame_counts = _models(args.model), _codecs(args.codecs), _frames(args.frames)
+    dev = torch.device("cuda" if cuda else "cpu")
+    began = time.perf_counter()
+    dit, ctx, heads, head_dim, layers = _model(args.tiny, dev)
 
-    def one(codec: str | None, frames: int) -> dict:
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def one(preset, codec: str | None, frames: int) -> dict:
         store = KVStore(CacheConfig(codec=codec, residual_window=args.residual_window,
                                     reuse_decoded=args.reuse_decoded, attention_window=args.window,
                                     sink_units=args.sink, merge_units=not args.no_merge), num_layers=layers,
                         num_heads=heads, head_dim=head_dim)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()  # the model, the text context and the baseline latents kept
+        sync()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0  # the model, the text context and the baseline latents
         t0 = time.perf_counter()
         with torch.no_grad(), store.attach(dit.transformer):
             r = rollout(dit, preset, ctx, NoiseStream(0, 0), num_frames=frames, latent_height=h, latent_width=w)
-        torch.cuda.synchronize()
+        sync()
+        peak = torch.cuda.max_memory_allocated() if cuda else None
         # the store's figures, not the store: a held store (the bf16 baseline's 5.6 GiB) would inflate the next
         # rollouts' CUDA peaks
         return {"seconds": time.perf_counter() - t0, "latents": r.latents.float(), "kv_bytes": store.nbytes(),
                 "bf16_kv_bytes": store.bf16_nbytes(), "kv_ratio": store.kv_ratio, "stats": store.stats(),
-                "peak_kv_bytes": store.peak_nbytes, "peak_cuda": torch.cuda.max_memory_allocated(),
-                "peak_cuda_over_model": torch.cuda.max_memory_allocated() - before}
+                "peak_kv_bytes": store.peak_nbytes, "peak_cuda": peak,
+                "peak_cuda_over_model": None if peak is None else peak - before}
 
-    fpb = preset.frames_per_block
-    bases: dict[int, dict] = {}
     rows = []
-    frame_counts = _frames(args.frames)
-    for codec in [None, *_codecs(args.codecs)]:
-        try:
-            one(codec, fpb * 2)  # warm-up: kernel compilation, allocator
-            for frames in frame_counts:
-                runs = [one(codec, frames) for _ in range(max(1, args.repeats))]
-                res = runs[0]
-                res["all_seconds"] = [r["seconds"] for r in runs]
-                res["seconds"] = statistics.median(res["all_seconds"])
-                del runs
+    for name in models:
+        preset = get_preset(name)
+        bases: dict[int, dict] = {}
+        for codec in [None, *codecs]:
+            try:
+                one(preset, codec, preset.frames_per_block * 2)  # warm-up: kernel compilation, allocator
+                for frames in frame_counts:
+                    runs = [one(preset, codec, frames) for _ in range(max(1, args.repeats))]
+                    res = runs[0]
+                    res["all_seconds"] = [r["seconds"] for r in runs]
+                    res["seconds"] = statistics.median(res["all_seconds"])
+                    del runs
+                    if codec is None:
+                        bases[frames] = res
+                    rows.append(_row(preset.name, codec, frames, f"{h}x{w}", args, res, bases[frames]))
+                    print(f"{preset.name} {rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
+                          f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
+                    del res
+                if args.count_syncs and cuda:
+                    rows[-1]["syncs"] = count_syncs(lambda: one(preset, codec, frame_counts[-1]))
+                    print(f"  syncs: {rows[-1]['syncs']}", flush=True)
+                if args.profile:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        wall = one(preset, codec, frame_counts[-1])["seconds"]
+                    rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages())}
+                    print(f"  profiled: {rows[-1]['profile']}", flush=True)
+            except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
                 if codec is None:
-                    bases[frames] = res
-                rows.append(_row(preset.name, codec, frames, f"{h}x{w}", args, res, bases[frames]))
-                print(f"{rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
-                      f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
-                del res
-            if args.count_syncs:
-                rows[-1]["syncs"] = count_syncs(lambda: one(codec, frame_counts[-1]))
-                print(f"  syncs: {rows[-1]['syncs']}", flush=True)
-            if args.profile:
-                from torch.profiler import ProfilerActivity, profile
+                    raise
+                import traceback
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    wall = one(codec, frame_counts[-1])["seconds"]
-                rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages())}
-                print(f"  profiled: {rows[-1]['profile']}", flush=True)
-        except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
-            if codec is None:
-                raise
-            import traceback
-
-            print(f"FAILED {codec}:\n{traceback.format_exc()}", flush=True)
-        torch.cuda.empty_cache()
-    print(table(rows, f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Wan 1.3B random weights, "
-                      f"{preset.name}, latent {h}x{w}, window {args.window or 'global'}, sink {args.sink}"))
+                print(f"FAILED {name} {codec}:\n{traceback.format_exc()}", flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Wan 1.3B random weights" if not args.tiny
+             else f"{dev.type}, torch {torch.__version__}, tiny DiT")
+    print(table(rows, f"{where}, {', '.join(models)}, latent {h}x{w}, window {args.window or 'global'}, "
+                      f"sink {args.sink}; {time.perf_counter() - began:.0f} s in all"))
     if args.json:
         from mmkv.io import atomic_write_json
 
@@ -201,7 +261,7 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
         "peak_kv_bytes": res["peak_kv_bytes"], "peak_cuda_bytes": res["peak_cuda"],
         "peak_cuda_over_model_bytes": res["peak_cuda_over_model"],
         "bf16_kv_over_kvx": int(base["peak_kv_bytes"] / kvx) if kvx else None,
-        "rel_latent_diff": round(err, 4),
+        "rel_latent_diff": round(err, 4), "bit_exact": bool((res["latents"] == base["latents"]).all()),
     }
 
 
@@ -210,14 +270,20 @@ def table(rows: list[dict], title: str) -> str:
     from mmkv.report.tables import Column, Table, to_markdown
 
     mib, gib = 2.0**20, 2.0**30
-    cols = [Column("codec", ("codec",)), Column("frames", ("frames",)), Column("seconds", ("s",), "{:.2f}"),
+    cols = [Column("model", ("loop",)), Column("codec", ("codec",)), Column("frames", ("frames",)),
+            Column("seconds", ("s",), "{:.2f}"),
             Column("ratio_to_bf16", ("x bf16 cache",), "{:.2f}"), Column("kv_mib", ("KV MiB",), "{:.0f}"),
             Column("kv_ratio", ("KVx",), "{:.2f}"), Column("peak_kv_mib", ("peak KV MiB",), "{:.0f}"),
             Column("bound_mib", ("bf16 KV / KVx MiB",), "{:.0f}"),
             Column("peak_cuda_gib", ("peak CUDA GiB",), "{:.2f}"),
             Column("peak_over_model_gib", ("peak CUDA over model GiB",), "{:.2f}"),
             Column("rel_latent_diff", ("rel. latent diff",), "{:.3f}")]
-    body = [[r["codec"], r["frames"], r["seconds"], r["ratio_to_bf16"], r["kv_bytes"] / mib, r["kv_ratio"],
-             r["peak_kv_bytes"] / mib, r["bf16_kv_over_kvx"] / mib, r["peak_cuda_bytes"] / gib,
-             r.get("peak_cuda_over_model_bytes", float("nan")) / gib, r["rel_latent_diff"]] for r in rows]
+    body = [[r.get("model", ""), r["codec"], r["frames"], r["seconds"], r["ratio_to_bf16"], r["kv_bytes"] / mib,
+             r["kv_ratio"], r["peak_kv_bytes"] / mib, r["bf16_kv_over_kvx"] / mib, _per(r.get("peak_cuda_bytes"), gib),
+             _per(r.get("peak_cuda_over_model_bytes"), gib), r["rel_latent_diff"]] for r in rows]
     return to_markdown(Table("bench_video", title, cols, body))
+
+
+def _per(value: float | None, unit: float) -> float:
+    """value / unit, NaN where nothing was measured (CUDA peaks of a CPU run)."""
+    return float("nan") if value is None else value / unit

@@ -372,10 +372,12 @@ class KVStore:
         # A Triton decoder writes straight into the gather buffer (`Codec.decode(out=...)`); the torch reference
         # decodes a segment (after `_consolidate`, the whole encoded past) into a temporary first.
         direct = self._on_kernels(layer, st.device if st.device is not None else k_cur.device, "decode")
-        # a span partly evicted by the rolling window is decoded whole and copied, kernels or not
-        # (a stack of units is decoded whole and copied into token order)
+        # a span partly evicted by the rolling window is decoded whole and copied, kernels or not; a stack of units
+        # is written straight into token order by stackable codecs' kernels, decoded and copied by any other
         biggest = max((s.num_tokens + s.skip_tokens for s in segs
-                       if s.encoded and (s.skip_tokens or s.stack > 1 or not direct)), default=0)
+                       if s.encoded and (s.skip_tokens or not direct
+                                         or (s.stack > 1 and not (s.k_codec.stackable and s.v_codec.stackable)))),
+                      default=0)
         self._scratch_peak = max(self._scratch_peak, per_token * (total + biggest))
 
     # -- counts and bytes --------------------------------------------------------------------------------------

@@ -10,11 +10,13 @@ state (rotation signs) and per-token cross-head statistics (OScaR's omni-token n
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any, Callable, ClassVar
 
 import torch
 
-from mmkv.codecs.checks import check_or_defer, inputs_checked  # noqa: F401  (check_or_defer re-exported)
+from mmkv.codecs.checks import check_or_defer, encode_scope, in_scope, inputs_checked  # noqa: F401
 from mmkv.codecs.config import CodecConfig, CodecError
 from mmkv.codecs.encoded import FLOAT_DTYPES, Encoded
 # Re-exported: the cache and older callers import these from here.
@@ -78,6 +80,14 @@ def _kernel(codec: "Codec", op: str, device: torch.device):
     return _KERNEL_LOOKUP(op, codec)
 
 
+@functools.lru_cache(maxsize=None)
+def _nonfinite_flag(kernel: Callable) -> Callable | None:
+    """The `nonfinite(codec, enc)` of an encode kernel's module, None when it has none. It returns a 0-d bool tensor
+    set whenever the input held a NaN/Inf (and possibly for a finite input whose norm overflows), read from the
+    encoding, or None when the kernel's own checks (`check_or_defer`) already see every NaN/Inf."""
+    return getattr(sys.modules.get(getattr(kernel, "__module__", None) or ""), "nonfinite", None)
+
+
 class Codec:
     """One codec for one layer's K or V. Subclasses implement `_encode` and `_decode` (the torch reference)."""
 
@@ -92,7 +102,8 @@ class Codec:
     # one by one (the store then merges them: CacheConfig.merge_units). Codecs grouping over tokens leave it False.
     token_local: bool = False
     # True when the leading dims of an encoding are independent rows whose decode does not depend on how many there
-    # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`).
+    # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`); its
+    # decode kernel then writes the stack straight into token order (`Codec.decode(out=...)` of the transposed view).
     stackable: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -133,10 +144,16 @@ class Codec:
     # -- public protocol ---------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
         """Encode x [..., T, D]. Inside an `mmkv.codecs.checks.encode_scope` the NaN/Inf scan and the device-side
-        checks follow the scope (read together by its owner, in one host sync); outside, all are read at once."""
-        self.check_input(x, finite=not inputs_checked())
+        checks follow the scope (read together by its owner, in one host sync); outside, all are read at once: in
+        one host sync and with no scan of its own when the kernel's encoding flags NaN/Inf (`_encode_checked`)."""
+        self._check_once(x)
         kernel = _kernel(self, "encode", x.device)
-        if kernel is not None:
+        flag = _nonfinite_flag(kernel) if kernel is not None and not in_scope() else None
+        if not inputs_checked() and flag is None:
+            self.check_finite(x)
+        if flag is not None:
+            enc = self._encode_checked(kernel, flag, x)
+        elif kernel is not None:
             enc = kernel(self, x)
         else:
             enc = self._encode(x.float())
@@ -167,6 +184,30 @@ class Codec:
                 return out.copy_(kernel(self, enc, dtype))
         res = self._decode(enc).to(dtype)
         return res if out is None else out.copy_(res)
+
+    def _check_once(self, x: torch.Tensor) -> None:
+        """`check_input` without the NaN/Inf scan, done once per (dtype, shape) of this instance: a store encodes the
+        same unit shapes all rollout long."""
+        if not isinstance(x, torch.Tensor):
+            self.check_input(x, finite=False)
+        key = (x.dtype, tuple(x.shape))
+        seen = self.__dict__.setdefault("_checked_inputs", set())
+        if key not in seen:
+            self.check_input(x, finite=False)
+            seen.add(key)
+
+    def _encode_checked(self, kernel: Callable, flag: Callable, x: torch.Tensor) -> Encoded:
+        """A plain `encode(x)` on a kernel whose encoding shows any NaN/Inf of its input (`flag(enc)`): its checks
+        and that flag are read in one host sync, with no separate scan of x. When one is set, x is scanned and the
+        kernel re-run outside the scope, so the error is the one a scan-first encode raises (with the kernel's own
+        message); a flag set by a finite input (a norm overflowing fp32) raises nothing and the encoding stands."""
+        with encode_scope(inputs_checked=True, collect=True) as pending:
+            enc = kernel(self, x)
+        flags = [f for f in [flag(self, enc)] if f is not None] + [bad.reshape(()) for bad, _ in pending]
+        if flags and bool(torch.stack(flags).any()):
+            self.check_finite(x)
+            kernel(self, x)
+        return enc
 
     def nbytes(self, enc: Encoded) -> int:
         return enc.nbytes
@@ -202,9 +243,15 @@ class Codec:
                 f"{where}: built for {self.num_heads} heads, expected shape [..., {self.num_heads}, T, "
                 f"{self.head_dim}], got {tuple(x.shape)}"
             )
-        if finite and x.numel() and not torch.isfinite(x).all():
+        if finite:
+            self.check_finite(x)
+
+    def check_finite(self, x: torch.Tensor) -> None:
+        """The NaN/Inf scan of `check_input` (a host sync on CUDA)."""
+        if x.numel() and not torch.isfinite(x).all():
             bad = int((~torch.isfinite(x)).sum())
-            raise CodecError(f"{where}: input has {bad} NaN/Inf values of {x.numel()}; refusing to encode them")
+            raise CodecError(f"codec {self.config} (layer {self.layer}): input has {bad} NaN/Inf values of "
+                             f"{x.numel()}; refusing to encode them")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config}, head_dim={self.head_dim}, num_heads={self.num_heads})"

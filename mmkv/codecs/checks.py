@@ -45,6 +45,11 @@ def inputs_checked() -> bool:
     return scope is not None and scope.inputs_checked
 
 
+def in_scope() -> bool:
+    """Whether any `encode_scope` is active (a plain `codec.encode(x)` call has none)."""
+    return _SCOPE.get() is not None
+
+
 def collecting() -> bool:
     """Whether device-side checks are collected for later (then a message should not keep large tensors alive)."""
     scope = _SCOPE.get()

@@ -84,16 +84,18 @@ def update_centroids(points: torch.Tensor, ids: torch.Tensor, old: torch.Tensor)
 
     Sums are accumulated in fp64, which is exact for bf16/fp32 inputs of ordinary range, so the result does not depend
     on the summation order (the release's fp32 atomics make it nondeterministic); the mean is
-    divided in fp64, rounded to fp32, then to bf16. Returns (centres [P, K, D] bf16, counts [P, K] int64).
+    divided in fp64, rounded to fp32, then to bf16. The counts ride along as one more column of ones, so sums and
+    counts are one scatter. Returns (centres [P, K, D] bf16, counts [P, K] int64).
     """
     p, n, d = points.shape
     k = old.shape[1]
-    sums = torch.zeros(p, k, d, dtype=torch.float64, device=points.device)
-    sums.scatter_add_(1, ids.unsqueeze(-1).expand(p, n, d), points.double())
-    counts = torch.zeros(p, k, dtype=torch.int64, device=points.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))
-    mean = (sums / counts.clamp(min=1).unsqueeze(-1).double()).float().to(torch.bfloat16)
-    return torch.where(counts.unsqueeze(-1) > 0, mean, old), counts
+    ext = torch.ones(p, n, d + 1, dtype=torch.float64, device=points.device)
+    ext[..., :d] = points
+    sums = torch.zeros(p, k, d + 1, dtype=torch.float64, device=points.device)
+    sums.scatter_add_(1, ids.unsqueeze(-1).expand(p, n, d + 1), ext)
+    counts = sums[..., d]  # exact: integers below 2^53
+    mean = (sums[..., :d] / counts.clamp(min=1).unsqueeze(-1)).float().to(torch.bfloat16)
+    return torch.where(counts.unsqueeze(-1) > 0, mean, old), counts.long()
 
 
 def kmeans(
@@ -108,7 +110,9 @@ def kmeans(
     From the second iteration on, when the fraction of ids (over all P problems: one batched call, one decision)
     that changed is below `tol`, stop and return this iteration's ids with its *pre-update* centres; otherwise the
     centres become the new means. Without an early stop the last ids come back with the means computed from them.
-    Returns (ids int64 [P, N], centres bf16 [P, K, D], iterations run).
+    The last iteration's decision only picks between those two centre tables, so it is made on the device
+    (`torch.where`, no host sync); only earlier iterations, where it decides whether to go on, read it on the host.
+    With the released 2 iterations no call syncs. Returns (ids int64 [P, N], centres bf16 [P, K, D], iterations run).
     """
     x_sq = sq_norms(points)
     c = init
@@ -116,8 +120,12 @@ def kmeans(
     for it in range(iters):
         ids = assign(points, c, x_sq, sq_norms(c))
         new, _ = update_centroids(points, ids, c)
-        if prev is not None and (ids != prev).double().mean().item() < tol:
-            return ids, c, it + 1
+        if prev is not None:
+            stop = (ids != prev).double().mean() < tol
+            if it + 1 == iters:
+                return ids, torch.where(stop, c, new), iters
+            if stop.item():
+                return ids, c, it + 1
         c, prev = new, ids
     return ids, c, iters
 

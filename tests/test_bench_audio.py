@@ -1,0 +1,53 @@
+"""`mmkv bench audio`: its full-size rollouts need a GPU; `--tiny` runs the same bench on the micro AAR on the CPU."""
+
+import json
+
+import pytest
+
+from mmkv.bench import audio
+from mmkv.cli import main
+
+
+def test_tiny_bench_has_a_row_per_codec_and_identity_is_bit_exact(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    argv = ["bench", "audio", "--tiny", "--repeats", "1", "--codecs", "identity;kivi:bits=2,group=32", "--json",
+            str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["codec"] for r in rows] == ["native cache", "identity", "kivi:bits=2,group=32"]
+    native, identity, kivi = rows
+    assert native["ratio_to_native"] == 1.0 and native["kv_ratio"] == 1.0 and native["dtype"] == "bf16"
+    assert identity["bit_exact"] and identity["token_agreement"] == 1.0 and identity["kv_bytes"] == native["kv_bytes"]
+    assert not kivi["bit_exact"] and kivi["kv_ratio"] > 1 and kivi["kv_bytes"] < native["kv_bytes"]
+    assert kivi["bf16_kv_over_kvx"] == pytest.approx(native["peak_kv_bytes"] / kivi["kv_ratio"], rel=1e-3)
+    text = capsys.readouterr().out
+    assert "| kivi:bits=2,group=32 |" in text and "x native cache" in text and "peak CUDA MiB" in text
+
+
+def test_refuses_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    assert main(["bench", "audio"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_default_codecs_are_the_demos():
+    from mmkv.demo import CODECS, QVG
+
+    assert audio._codecs(audio.DEFAULT_CODECS) == [*CODECS[1:], *QVG]
+
+
+def test_blocks_run_in_bf16_and_hand_fp32_on():
+    import torch
+
+    from mmkv.pipelines.aar.tiny import build_tiny
+
+    aar, _ = build_tiny("micro")
+    audio.blocks_in(aar, torch.bfloat16)
+    assert {p.dtype for p in aar.blocks.parameters()} == {torch.bfloat16}
+    assert aar.head.weight.dtype == torch.float32
+    x = torch.randn(2, 3, aar.config.embed_dim)
+    cond = torch.randn(2, aar.config.embed_dim)
+    assert aar.blocks[0](x=x, cond_BD=cond, attn_bias=None).dtype == torch.float32
