@@ -69,9 +69,11 @@ def step_widths(steps: int, k: int, hi: int) -> list[int]:
 def _distances(ut: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Squared distances of one step's values ut [N, V] to every table row [S, V] -> [N, S], summed over V in order
     (the Triton encoder adds in the same order)."""
-    d = (ut[:, None, 0] - table[None, :, 0]) ** 2
+    e = ut[:, None, 0] - table[None, :, 0]
+    d = e * e
     for v in range(1, table.shape[1]):
-        d = d + (ut[:, None, v] - table[None, :, v]) ** 2
+        e = ut[:, None, v] - table[None, :, v]
+        d = d + e * e
     return d
 
 
