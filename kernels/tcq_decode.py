@@ -1,4 +1,4 @@
-"""TCQ unpack + decode to the model dtype, the kernel twin of `TCQCodec._decode` (QTIP paper, section 3: a state is
+"""TCQ unpack + decode to the model dtype, the kernel twin of `TCQCodec._decode` (QTIP's bitshift trellis: a state is
 the last L bits of the code string; reference `mmkv/codecs/tcq.py`).
 
 One token a thread. The state of step t is assembled from the codes of steps t, t-1, ... (circularly, J of them, each

@@ -1,5 +1,5 @@
-"""TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP paper,
-section 3; reference `mmkv/codecs/tcq.py`). The rotation, the gain and the bit packing around it are the reference's
+"""TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP's bitshift
+trellis; reference `mmkv/codecs/tcq.py`). The rotation, the gain and the bit packing around it are the reference's
 torch code (`TCQCodec.unit_rotated`, `unit_from_codes`, `_pack`): the search is where the time goes.
 
 One program walks one vector with its 2^L path costs on chip (launches of at most `PROGRAMS` vectors reuse one

@@ -1,4 +1,4 @@
-"""TCQ (QTIP paper, section 3: the bitshift trellis over rotated coordinates): Viterbi optimality, tail-biting,
+"""TCQ (QTIP's bitshift trellis over rotated coordinates): Viterbi optimality, tail-biting,
 storage, the gain, and the distortion the trellis buys over scalar Lloyd-Max at d = 128."""
 
 import itertools

@@ -57,7 +57,8 @@ def _setup(preset, d, heads, t, dtype, seed=0):
 
 def test_registered_for_both_ops():
     assert K["dispatch"].KERNELS["tcq"] == {"encode": "tcq_encode", "decode": "tcq_decode"}
-    assert K["tcq_encode"].supports(build("tcq", head_dim=128)) and not K["tcq_encode"].supports(build("tcq", head_dim=8))
+    assert K["tcq_encode"].supports(build("tcq", head_dim=128))
+    assert not K["tcq_encode"].supports(build("tcq", head_dim=8))
 
 
 @pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[f"{c[0]}-d{c[1]}" for c in CASES])

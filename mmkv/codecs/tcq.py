@@ -1,9 +1,9 @@
-"""TCQ: rotated keys or values quantised by a bitshift trellis (QTIP paper, Tseng et al., NeurIPS 2024, section 3).
+"""TCQ: rotated keys or values quantised by a bitshift trellis (QTIP: Tseng, Sun, Hou, De Sa, NeurIPS 2024).
 
 A vector x becomes the rotated vector r = H(s * x) (one sign vector per layer and KV head) and the unit-variance
 vector u = r * sqrt(d) / ||x||, whose coordinates are close to N(0, 1). u is cut into d / 2 steps of V = 2 values.
 The encoder walks a trellis of S = 2^L states: step t appends k_t bits to the state, s_t = ((s_{t-1} << k_t) | c_t)
-mod S (QTIP section 3.1, the "bitshift trellis"), so a code is the bit string itself and state s reconstructs the V
+mod S (QTIP's "bitshift trellis"), so a code is the bit string itself and state s reconstructs the V
 values `table[s]`. A Viterbi pass picks the bit string of least squared error ||u - table[s_1..s_T]||^2. The trellis
 is tail-biting: the first state's high bits are the last state's low bits, so no bits are spent on a start state. It
 is found with two passes: a free one over the steps rotated by half their number, whose state at the first step fixes
@@ -14,8 +14,8 @@ any other codec's effective bits: `tcq:bits=2,hi=64` is 2.5 bits a coordinate at
 `tcq:bits=2,hi=45,norm=32` spends OCTOPUS b=2's 333 bits per vector.
 
 Table: fixed per (L, k, V), data-oblivious and seeded: N(0, 1) draws refined by a few Lloyd iterations on N(0, 1)
-training vectors (assign by Viterbi, replace each entry by the mean of the values it reconstructed; QTIP section 4
-trains its lookup table the same way). The steps at k + 1 bits use the same table.
+training vectors (assign by Viterbi, replace each entry by the mean of the values it reconstructed), a stored
+table where QTIP computes its codes from the state. The steps at k + 1 bits use the same table.
 
 Gain: alpha = <r, u_hat> / ||u_hat||^2, the least-squares scale of the decoded u_hat, stored in fp16 or fp32;
 decode is x_hat = s * H(alpha * u_hat). Stored per row of T tokens (each plane one dense bit stream over the row's
@@ -190,8 +190,9 @@ def trellis_table(L: int, k: int) -> torch.Tensor:
 
 
 def _chunk(L: int) -> int:
-    """Vectors per Viterbi call: about 2^24 state costs at once, which bounds the back-pointers' memory."""
-    return max(1, (1 << 24) >> L)
+    """Vectors per Viterbi call: 2^20 state costs at once (4 MB temporaries, cache-sized: 1.7x faster on one CPU core
+    than 2^22 at L = 11; each vector's codes do not depend on the grouping)."""
+    return max(1, (1 << 20) >> L)
 
 
 # -- the codec ---------------------------------------------------------------------------------------------------
