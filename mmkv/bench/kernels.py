@@ -58,7 +58,8 @@ DECODE_TARGET = {
 }
 VIDEO_TARGET = 1 / 0.9  # decode + attention >= 0.9x bf16 SDPA throughput
 ENCODE_TARGET_GBPS = 1500.0
-# TCQ's Viterbi search costs about 2^L * 64 compare-adds a 128-vector (docs/perf.md): its own target, at the default L.
+# TCQ's Viterbi search costs about 2^L * 64 * 2 compare-adds a 128-vector (docs/decisions.md, "Default L = 11"):
+# its own target, at the default L.
 ENCODE_TARGET_GBPS_BY_CODEC = {"tcq": 20.0}
 FIELDS = ("case", "codec", "config", "shape", "ms", "baseline_ms", "ratio", "gbps", "rel_error",
           "rel_error_vs_decode_sdpa", "target", "meets_target", "path")
