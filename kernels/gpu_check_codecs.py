@@ -34,7 +34,7 @@ PRESETS = [
     "turboquant-mse:b=2", "turboquant-mse:b=3", "turboquant-mse:b=4", "turboquant-prod:b=3", "qjl:bits=2",
     "polarquant:b=2", "groupquant:bits=2,group=32", "groupquant:bits=4,group=32", "kivi:bits=2,group=32",
     "kivi:bits=2,group=32,role=v", "oscar:bits=2,group=32", "oscar:bits=2,group=32,role=v",
-    "qvg:bits=2", "qvg:bits=4",
+    "qvg:bits=2", "qvg:bits=4", "tcq:bits=2", "tcq:bits=4,hi=47,norm=32",
 ]
 # Reference at the LLM shape only for these (the others are checked at the video shape); the references of the
 # rotation codecs hold [.., T, 43, 9, 3]-sized temporaries.

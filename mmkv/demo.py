@@ -7,7 +7,8 @@ against its SHA-256 sums by `mmkv.assets.trained_video_assets`; docs/training.md
 frames, prompted with captions of held-out procedural scenes (`scenes.held_out_seeds`), so the report also scores
 prompt adherence and scene consistency. Without shipped weights, or with `--random`, it runs the tiny random models
 below. The audio models are random either way. A trained rollout costs ~15 random ones, so the trained plan runs
-every codec (QVG too) on one CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two cores.
+every codec (QVG and TCQ too) on one CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two
+cores before TCQ joined (its torch Viterbi encoder, ~1 ms a 128-vector on one core, adds to that; not yet timed).
 Trained and random demos go to separate default folders (runs/demo, runs/demo-random); one folder never mixes them.
 
 1. Writes tiny randomly initialised checkpoints of the real architectures, in their original release formats, to
@@ -58,7 +59,10 @@ QUICK_CODECS = ("identity", "octopus:b=2", "turboquant-mse:b=4", "kivi:bits=2,gr
 # over 288 tokens store more than the bf16 cache (KV x 0.9 at INT2, measured). 16 / 288 keeps the release's centres
 # per token (256 / 4680), so its bits per value too (3.1 at INT2 on a 288-token span; KV x 3.6 measured).
 QVG = ("qvg:bits=2,centroids=16", "qvg:bits=4,centroids=16")
-TRAINED_CODECS = (*CODECS, *QVG)
+# and TCQ at OCTOPUS b=2's and b=4's effective bits (2.602 and 4.617 at head dim 128, fp32 norms on both sides: the
+# synthetic bench's iso-rate rows), so the trained table compares them at equal stored bits.
+TCQ = ("tcq:bits=2,hi=45,norm=32", "tcq:bits=4,hi=47,norm=32")
+TRAINED_CODECS = (*CODECS, *QVG, *TCQ)
 TRAINED_QUICK_CODECS = ("identity", "octopus:b=2", QVG[0])
 # The trained model's clips (docs/training.md): 21 latent frames of 16 x 24, 96 tokens a frame.
 TRAINED_VIDEO = {"frames": 81, "height": 64, "width": 96}

@@ -113,6 +113,22 @@ def test_iso_rate_config_matches_octopus_bits():
         assert abs(bits - target) <= 0.5 / 128  # hi = 45 / 46 / 47 hits OCTOPUS's 333 / 462 / 591 bits exactly
 
 
+def test_tcq_iso_rate_is_a_quarter_below_octopus():
+    """At each OCTOPUS point's measured bits (same fp32 norm precision), TCQ's MSE is at least 25% below OCTOPUS's,
+    with or without joint rounding (on 2 seeds x 256 keys of the same data; the full bench: docs/perf.md)."""
+    p = syn.Protocol(dim=128, seeds=2, keys=256)
+    k, q = syn.reconstruction_data(p)
+    for b, hi in ((2, 45), (3, 46), (4, 47)):
+        octopus = CodecConfig.parse(f"octopus:b={b},joint=0")
+        cfg = syn.tcq_iso_rate_config(octopus, p)
+        assert str(cfg) == f"tcq:L=11,bits={b},hi={hi},norm=32"
+        ours = syn.measure_reconstruction(cfg, k, q, p)
+        for joint in (0, 1):
+            theirs = syn.measure_reconstruction(octopus.replace(joint=joint), k, q, p)
+            assert ours["effective_bits"] == theirs["effective_bits"]
+            assert ours["mse"] <= 0.75 * theirs["mse"], (b, joint, ours["mse"], theirs["mse"])
+
+
 def test_sweep_configs_follow_app_d():
     rows = syn.octopus_sweep_configs(3)
     assert [d for d, _ in rows] == [-2, -1, 0, 1, 2]

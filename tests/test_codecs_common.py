@@ -33,6 +33,8 @@ PRESETS: dict[str, list[tuple[str, float]]] = {
     # QVG on i.i.d. Gaussian spans: k-means smoothing barely helps, the INT2 residual dominates (~0.38 at T = 2048).
     "qvg": [("qvg:bits=2", 0.8), ("qvg:bits=4,centroids=16,block=32", 0.03),
             ("qvg:bits=2,stages=2,centroids=8,asymmetric=true", 0.9)],
+    # TCQ (its shipped tables only: another L or width trains one on first use): 0.075 / 0.084 / ~0.005 measured.
+    "tcq": [("tcq:bits=2", 0.25), ("tcq:bits=2,L=8", 0.25), ("tcq:bits=4,hi=8,norm=32", 0.02)],
 }
 DEFAULT_BOUND = 2.0  # for a codec registered after this file was written, at its default preset
 

@@ -14,6 +14,8 @@ Protocol (the OCTOPUS paper, section 4.1 and Table 1):
 - iso-rate: TurboQuant-MSE with `hi` of its d rotated coordinates at one more bit, `hi` chosen so that its measured
   effective bits equal each default OCTOPUS point's: codecs are compared at equal measured bits, not equal
   nominal b (TurboQuant's own 2.5-bit outlier split already mixes two widths; docs/decisions.md, "Which presets").
+  TCQ likewise (when it is among the codecs run), with `hi` of its d/2 trellis steps at one more bit and OCTOPUS's
+  norm precision for its gain.
 
 Seeds and speed: seed s of each section gets its own single-head codec built with seed = derive_seed(--seed, section,
 s), hence its own rotation (a seeded randomised Hadamard transform), sketch or k-means init; data come from private generators keyed by the
@@ -138,6 +140,19 @@ def iso_rate_config(target_bits: float, p: Protocol) -> CodecConfig:
     return best[1]
 
 
+def tcq_iso_rate_config(octopus: CodecConfig, p: Protocol) -> CodecConfig:
+    """TCQ at an OCTOPUS point's measured effective bits, with OCTOPUS's norm precision: b bits a coordinate and
+    `hi` trellis steps at 2b + 1 bits, `hi` chosen so that the measured bits come closest (the iso-rate rows)."""
+    target = probe_bits(octopus, p)
+    base = CodecConfig.parse(f"tcq:bits={octopus.bits},norm={octopus.norm}")
+    hi = min(max(int(round((target - probe_bits(base, p)) * p.dim)), 0), p.dim // 2)  # one bit a wide step
+    if probe_bits(base.replace(hi=hi), p) == target:
+        return base.replace(hi=hi)
+    best = min((abs(probe_bits(base.replace(hi=h), p) - target), h)
+               for h in sorted({min(max(hi + j, 0), p.dim // 2) for j in (-1, 0, 1)}))
+    return base.replace(hi=best[1])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The run
 
@@ -189,6 +204,9 @@ def run_protocol(p: Protocol, codecs: list[str], bits: list[int], *, needle: boo
     if iso_rate and "turboquant-mse" in names():
         for b, ocfg in octopus_points:
             tasks.append(("iso-rate", iso_rate_config(probe_bits(ocfg, p), p), b, needle, {"matches": str(ocfg)}))
+    if iso_rate and "tcq" in {c.partition(":")[0].strip().lower() for c in codecs}:  # TCQ's encoder is slow on CPU
+        for b, ocfg in octopus_points:
+            tasks.append(("iso-rate", tcq_iso_rate_config(ocfg, p), b, needle, {"matches": str(ocfg)}))
 
     keys, queries = reconstruction_data(p)
     nk = nq = npos = None

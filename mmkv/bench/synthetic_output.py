@@ -53,8 +53,10 @@ def tables(rows: list[dict], p: Protocol, notes: list[str] | None = None) -> lis
                           ["bits", "delta", "b_dir", "b_nrm", "effective_bits", "mse", "cosine", "ip_error"]))
     iso = [r for r in rows if r["section"] == "iso-rate"]
     if iso:
-        out.append(_table("synthetic_iso_rate", "Iso-rate: TurboQuant-MSE with `hi` channels at b+1 bits, at each "
-                          "OCTOPUS point's effective bits", iso,
+        title = "Iso-rate: TurboQuant-MSE with `hi` channels at b+1 bits"
+        if any(r["codec"] == "tcq" for r in iso):
+            title += ", TCQ with `hi` trellis steps at 2b+1 bits"
+        out.append(_table("synthetic_iso_rate", f"{title}, at each OCTOPUS point's effective bits", iso,
                           ["bits", "matches", "config", "effective_bits", "mse", "cosine", "ip_error", "needle_mass"]))
     return out
 

@@ -28,6 +28,7 @@ BUILTIN: dict[str, str] = {
     "octopus": "mmkv.codecs.octopus:OctopusCodec",
     "octopus-qjl": "mmkv.codecs.octopus_qjl:OctopusQJLCodec",
     "turboquant-prod": "mmkv.codecs.turboquant_prod:TurboQuantProdCodec",
+    "tcq": "mmkv.codecs.tcq:TCQCodec",
 }
 
 _ADDED: dict[str, type["Codec"]] = {}

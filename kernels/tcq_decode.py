@@ -1,0 +1,115 @@
+"""TCQ unpack + decode to the model dtype, the kernel twin of `TCQCodec._decode` (QTIP's bitshift trellis: a state is
+the last L bits of the code string; reference `mmkv/codecs/tcq.py`).
+
+One token a thread. The state of step t is assembled from the codes of steps t, t-1, ... (circularly, J of them, each
+shifted by the bits of the steps after it: host tables `src` and `shift`), its V = 2 values are read from the trellis
+table, and x_hat = s * H(gain * u_hat) by the fp32 butterfly: the reference's operations in its order, cast once to the
+output dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mmkv.kernels.common import (
+    LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, rows_of, store_rows, token_block, vector,
+)
+from mmkv.kernels.packing import unpack_at
+from mmkv.kernels.rotation import fwht
+
+
+def supports(codec) -> bool:
+    return 16 <= codec.head_dim <= 256
+
+
+def lookback(widths: list[int], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, shift) [J, steps] int32: the state of step t is OR_j code[src[j, t]] << shift[j, t], masked to L bits,
+    over the J most recent steps (circularly) that hold its bits."""
+    steps = len(widths)
+    rows: list[tuple[list[int], list[int]]] = []
+    for t in range(steps):
+        src, shift, bits, j = [], [], 0, 0
+        while bits < L:
+            src.append((t - j) % steps)
+            shift.append(bits)
+            bits += widths[(t - j) % steps]
+            j += 1
+        rows.append((src, shift))
+    J = max(len(s) for s, _ in rows)
+    src = torch.zeros(J, steps, dtype=torch.int32)
+    shift = torch.full((J, steps), 31, dtype=torch.int32)  # unused slots: a zero code shifted nowhere that matters
+    for t, (s, h) in enumerate(rows):
+        src[: len(s), t] = torch.tensor(s, dtype=torch.int32)
+        shift[: len(h), t] = torch.tensor(h, dtype=torch.int32)
+    return src, shift
+
+
+def tables(codec, device: torch.device) -> dict:
+    def build():
+        src, shift = lookback(codec.widths, codec.L)
+        wide = codec.wide.to(torch.int32)
+        return {
+            "table": codec.table.reshape(-1), "signs": codec.rotation.signs, "src": src, "shift": shift,
+            "wide": wide, "rank": (torch.cumsum(wide, 0) - wide).to(torch.int32),  # a wide step's index in code_hi
+        }
+
+    return device_tables(codec, device, "tcq", build)
+
+
+@triton.jit
+def _tcq_decode_kernel(
+    code_ptr, hi_ptr, gain_ptr, table_ptr, src_ptr, shift_ptr, wide_ptr, rank_ptr, s_ptr, out_ptr,
+    T, NH, scale, code_row_bytes, hi_row_bytes, vr, ORS,
+    D: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, K: tl.constexpr, HI: tl.constexpr,
+    L: tl.constexpr, J: tl.constexpr,
+):
+    row, row64, t0, n_tok = token_block(T, BT)
+    tt = tl.arange(0, BT)
+    cols = tl.arange(0, STEPS)
+    tmask = (tt < n_tok)[:, None]
+    tok = (t0 + tt)[:, None]
+    state = tl.zeros((BT, STEPS), tl.int32)
+    for j in tl.static_range(J):
+        src = tl.load(src_ptr + j * STEPS + cols)[None, :]
+        code = unpack_at(code_ptr, row64 * code_row_bytes, tok * STEPS + src, tmask, K)
+        if HI > 0:
+            wide = tl.load(wide_ptr + src)
+            rank = tl.load(rank_ptr + src)
+            code |= unpack_at(hi_ptr, row64 * hi_row_bytes, tok * HI + rank, tmask & (wide > 0), 1) << K
+        state |= code << tl.load(shift_ptr + j * STEPS + cols)[None, :]
+    state &= (1 << L) - 1
+    u = tl.reshape(tl.join(tl.load(table_ptr + 2 * state), tl.load(table_ptr + 2 * state + 1)), (BT, D))
+    gain = tl.load(gain_ptr + row64 * T + t0 + tt, mask=tt < n_tok, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (row % NH) * D + tl.arange(0, D)).to(tl.float32)
+    y = fwht(gain[:, None] * u, BT, D) * scale * s[None, :]  # x_hat = s * H(gain * u_hat)
+    store_rows(out_ptr, row64 * ORS, t0, n_tok, cast_to(y, out_ptr.dtype.element_ty), vr, BT, D, V)
+
+
+def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`codec.decode(enc, dtype)` for TCQ on the kernel: [..., T, D] in `dtype`."""
+    *lead, T, D = enc.shape
+    t = enc.tensors
+    gain = t["gain"].contiguous()
+    dev = gain.device
+    tab = tables(codec, dev)
+    out, ors = decode_out(enc.shape, dtype, dev, out)
+    rows = rows_of(out)
+    if not rows or not T:
+        return out
+    code = t["code"].contiguous()
+    code_hi = t["code_hi"].contiguous() if codec.hi else code
+    warps = warps or ROWS_WARPS
+    bt = 32 * warps  # one token a thread
+    v = min(vector(dtype), D)
+    _tcq_decode_kernel[(triton.cdiv(T, bt), rows)](
+        code, code_hi, gain, tab["table"], tab["src"], tab["shift"], tab["wide"], tab["rank"], tab["signs"], out,
+        T, head_count(codec), 1.0 / math.sqrt(D), code.shape[-1], code_hi.shape[-1] if codec.hi else 0, v, ors,
+        D=D, STEPS=codec.steps, BT=bt, V=v, K=codec.k, HI=codec.hi, L=codec.L, J=tab["src"].shape[0],
+        num_warps=warps, **LAUNCH,
+    )
+    return out

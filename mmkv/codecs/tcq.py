@@ -1,0 +1,324 @@
+"""TCQ: rotated keys or values quantised by a bitshift trellis (QTIP: Tseng, Sun, Hou, De Sa, NeurIPS 2024).
+
+A vector x becomes the rotated vector r = H(s * x) (one sign vector per layer and KV head) and the unit-variance
+vector u = r * sqrt(d) / ||x||, whose coordinates are close to N(0, 1). u is cut into d / 2 steps of V = 2 values.
+The encoder walks a trellis of S = 2^L states: step t appends k_t bits to the state, s_t = ((s_{t-1} << k_t) | c_t)
+mod S (QTIP's "bitshift trellis"), so a code is the bit string itself and state s reconstructs the V
+values `table[s]`. A Viterbi pass picks the bit string of least squared error ||u - table[s_1..s_T]||^2. The trellis
+is tail-biting: the first state's high bits are the last state's low bits, so no bits are spent on a start state. It
+is found with two passes: a free one over the steps rotated by half their number, whose state at the first step fixes
+the overlap bits h, and one constrained to start and end with h (`viterbi`).
+
+Rate: k = 2 * bits bits a step; `hi` of the d / 2 steps (spread evenly) take k + 1 bits, so that the codec can sit at
+any other codec's effective bits: `tcq:bits=2,hi=64` is 2.5 bits a coordinate at d = 128, and
+`tcq:bits=2,hi=45,norm=32` spends OCTOPUS b=2's 333 bits per vector.
+
+Table: fixed per (L, k, V), data-oblivious and seeded: N(0, 1) draws refined by a few Lloyd iterations on N(0, 1)
+training vectors (assign by Viterbi, replace each entry by the mean of the values it reconstructed), a stored
+table where QTIP computes its codes from the state. The steps at k + 1 bits use the same table.
+
+Gain: alpha = <r, u_hat> / ||u_hat||^2, the least-squares scale of the decoded u_hat, stored in fp16 or fp32;
+decode is x_hat = s * H(alpha * u_hat). Stored per row of T tokens (each plane one dense bit stream over the row's
+T * steps codes, `mmkv.codecs.packing`):
+  `code`     the low k bits of every step's code,
+  `code_hi`  the extra bit of the `hi` wide steps (absent when hi = 0),
+  `gain`     alpha, fp16 (default) or fp32.
+Bits per vector: k * d / 2 + hi + 16 (or + 32). Scores can be computed in the rotated domain, <H(s * q), alpha *
+u_hat>, see `rotate_query` and `decode_rotated`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from mmkv.codecs import codebooks
+from mmkv.codecs.base import Codec, CodecError, Encoded, private_generator
+from mmkv.codecs.config import CodecConfig
+from mmkv.codecs.packing import pack_bits, unpack_bits
+from mmkv.codecs.rotation import RandomizedHadamard
+from mmkv.codecs.turboquant_mse import store_norm
+
+V = 2  # values a trellis step reconstructs
+STATE_BITS = tuple(range(4, 17))  # L; the encoder's work grows as 2^L
+BITS = (1, 2, 3, 4, 5)  # payload bits a coordinate: k = 2 * bits bits a step (halves and between: `hi`)
+DEFAULT_L = 11
+
+# -- the table ---------------------------------------------------------------------------------------------------
+
+_TABLE_SEED = 20261201
+TRAIN_VECTORS = 2048  # N(0, 1) training vectors of 64 steps (d = 128) for the table's Lloyd iterations
+TRAIN_ITERS = 4
+_INF = float("inf")
+
+
+def hi_steps(steps: int, hi: int) -> list[bool]:
+    """Which of `steps` steps take one extra bit: `hi` of them, spread evenly (step t is wide when floor((t+1) hi / T)
+    passes an integer)."""
+    return [((t + 1) * hi) // steps > (t * hi) // steps for t in range(steps)]
+
+
+def step_widths(steps: int, k: int, hi: int) -> list[int]:
+    return [k + w for w in hi_steps(steps, hi)]
+
+
+def _distances(ut: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Squared distances of one step's values ut [N, V] to every table row [S, V] -> [N, S], summed over V in order
+    (the Triton encoder adds in the same order)."""
+    e = ut[:, None, 0] - table[None, :, 0]
+    d = e * e
+    for v in range(1, table.shape[1]):
+        e = ut[:, None, v] - table[None, :, v]
+        d = d + e * e
+    return d
+
+
+def _trellis_pass(u: torch.Tensor, table: torch.Tensor, widths: list[int], L: int, h: torch.Tensor | None,
+                  keep: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Viterbi over u [N, T, V]: (the least squared error of a path ending in each state [N, S], back-pointers).
+
+    The predecessors of state s under a k-bit step are the 2^k states (j << (L - k)) | (s >> k); viewing the costs as
+    [2^k, S / 2^k] puts them in one column. h [N]: the first state must start with the bits h (tail-biting); the
+    back-pointer of step t is the j of each column (ties: the lowest j), [N, S / 2^k]."""
+    n, steps, S = u.shape[0], u.shape[1], 1 << L
+    cost = _distances(u[:, 0], table)
+    if h is not None:
+        first = torch.arange(S, device=u.device) >> widths[0]
+        cost = torch.where(first[None] == h[:, None], cost, torch.full_like(cost, _INF))
+    back = []
+    for t in range(1, steps):
+        k = widths[t]
+        best, arg = cost.view(n, 1 << k, S >> k).min(dim=1)
+        cost = (best.unsqueeze(-1) + _distances(u[:, t], table).view(n, S >> k, 1 << k)).view(n, S)
+        if keep:
+            back.append(arg.to(torch.int16))
+    return cost, back
+
+
+def _backtrack(state: torch.Tensor, back: list[torch.Tensor], widths: list[int], L: int) -> torch.Tensor:
+    """The states [N, T] of the best path ending in `state` [N], read back through the back-pointers."""
+    states = [state]
+    for t in range(len(widths) - 1, 0, -1):
+        k = widths[t]
+        j = back[t - 1].gather(1, (state >> k).unsqueeze(-1)).squeeze(-1).to(torch.int64)
+        state = (j << (L - k)) | (state >> k)
+        states.append(state)
+    return torch.stack(states[::-1], dim=1)
+
+
+def viterbi(u: torch.Tensor, table: torch.Tensor, widths: list[int], L: int) -> torch.Tensor:
+    """The tail-biting bit string of least squared error for u [N, T, V]: codes [N, T] (int64, step t's k_t bits).
+
+    Pass one runs free on the steps rotated by T / 2 (as QTIP's `quantize` does, Cornell-RelaxML/qtip
+    lib/codebook/bitshift.py), so that the first step sits in the middle, far from the ends a free run gets wrong;
+    the high L - k_1 bits h of its state there are what the first state must start with. Pass two starts from states
+    beginning with h and ends in a state ending with h; ties go to the lowest state."""
+    n, steps = u.shape[0], u.shape[1]
+    if n == 0:
+        return torch.zeros(0, steps, dtype=torch.int64, device=u.device)
+    S, half, low = 1 << L, steps // 2, (1 << (L - widths[0])) - 1
+    rolled = [widths[(t - half) % steps] for t in range(steps)]
+    cost, back = _trellis_pass(torch.roll(u, half, dims=1), table, rolled, L, None, keep=True)
+    h = _backtrack(cost.argmin(dim=-1), back, rolled, L)[:, half] >> widths[0]
+    cost, back = _trellis_pass(u, table, widths, L, h, keep=True)
+    ends = (torch.arange(S, device=u.device) & low)[None] == h[:, None]
+    end = torch.where(ends, cost, torch.full_like(cost, _INF)).argmin(dim=-1)
+    mask = torch.tensor([(1 << k) - 1 for k in widths], device=u.device)
+    return _backtrack(end, back, widths, L) & mask
+
+
+def states_from_codes(codes: torch.Tensor, widths: list[int], L: int) -> torch.Tensor:
+    """codes [..., T] -> the trellis states [..., T]: the last L bits of the circular bit string at each step.
+
+    The recurrence runs once over the last steps (enough of them to hold L bits) to fill the wrapped state, then over
+    every step."""
+    steps, mask = len(widths), (1 << L) - 1
+    warm, bits = steps, 0
+    while bits < L:
+        warm -= 1
+        bits += widths[warm]
+    state = torch.zeros_like(codes[..., 0])
+    for t in range(warm, steps):
+        state = ((state << widths[t]) | codes[..., t]) & mask
+    out = []
+    for t in range(steps):
+        state = ((state << widths[t]) | codes[..., t]) & mask
+        out.append(state)
+    return torch.stack(out, dim=-1)
+
+
+# Shipped tables (`mmkv codebooks build`): the default L at every width the bench runs, and L = 8 at 2 bits; any
+# other (L, k) is trained on first use (seconds at L = 8, half a minute at L = 11, about 100 s at L = 12) and kept
+# for the process.
+SHIPPED = [f"L{DEFAULT_L}_k{k}" for k in (4, 6, 8)] + ["L8_k4"]
+_KEY = re.compile(r"^L(\d+)_k(\d+)$")
+
+
+@codebooks.codebook_family("tcq", keys=SHIPPED)
+def tcq_table(key: str) -> list[float]:
+    """`L{L}_k{k}`: the [2^L, V] table for L state bits and k-bit steps, flattened: seeded N(0, 1) draws, then
+    `TRAIN_ITERS` Lloyd iterations on `TRAIN_VECTORS` seeded N(0, 1) vectors of 64 steps (each entry becomes the mean
+    of the values its state reconstructed under tail-biting Viterbi; an entry no path used keeps its value). Every
+    step is elementwise IEEE arithmetic, a min or a sequential float64 sum, so it rebuilds within the codebooks'
+    tolerance on any machine."""
+    m = _KEY.match(key)
+    if not m:
+        raise KeyError(f"bad tcq table key {key!r}; expected e.g. 'L10_k4'")
+    L, k = int(m.group(1)), int(m.group(2))
+    if L not in STATE_BITS or not 1 <= k <= L:
+        raise KeyError(f"tcq table key {key!r}: need L in {STATE_BITS[0]}..{STATE_BITS[-1]} and 1 <= k <= L")
+    g = private_generator(_TABLE_SEED, "tcq-table", L, k)
+    S = 1 << L
+    table = torch.randn(S, V, generator=g, dtype=torch.float64)
+    train = torch.randn(TRAIN_VECTORS, 64, V, generator=g, dtype=torch.float64).float()
+    values = train.reshape(-1, V).double()
+    widths = [k] * 64
+    for _ in range(TRAIN_ITERS):
+        states = torch.cat([states_from_codes(viterbi(part, table.float(), widths, L), widths, L)
+                            for part in train.split(_chunk(L), dim=0)]).reshape(-1)
+        count = torch.bincount(states, minlength=S).double()
+        sums = torch.stack([torch.bincount(states, weights=values[:, v], minlength=S) for v in range(V)], dim=-1)
+        table = torch.where((count > 0)[:, None], sums / count.clamp_min(1)[:, None], table)
+    return table.reshape(-1).tolist()
+
+
+def trellis_table(L: int, k: int) -> torch.Tensor:
+    """The float32 [2^L, V] table for L state bits and k-bit steps (shipped, or trained once per process)."""
+    return codebooks.load("tcq", f"L{L}_k{k}").view(1 << L, V)
+
+
+def _chunk(L: int) -> int:
+    """Vectors per Viterbi call: 2^20 state costs at once (4 MB temporaries, cache-sized: 1.7x faster on one CPU core
+    than 2^22 at L = 11; each vector's codes do not depend on the grouping)."""
+    return max(1, (1 << 20) >> L)
+
+
+# -- the codec ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TCQConfig(CodecConfig):
+    """bits (payload bits a coordinate, 1..5: k = 2 * bits bits a step), hi (steps at k + 1 bits: hi / d more bits a
+    coordinate), L (state bits, 4..16: the encoder's speed / quality dial), norm (16 or 32 bits for the gain)."""
+
+    name: ClassVar[str] = "tcq"
+    aliases: ClassVar[dict[str, str]] = {"b": "bits", "l": "L"}
+    bits: int = 2
+    hi: int = 0
+    L: int = DEFAULT_L
+    norm: int = 16
+
+    def __post_init__(self) -> None:
+        self.check_choice("bits", BITS)
+        self.check_int("hi", 0)
+        self.check_choice("L", STATE_BITS)
+        self.check_choice("norm", (16, 32))
+        k = 2 * self.bits + (self.hi > 0)
+        if k > self.L:
+            self.fail(f"a step of {k} bits needs L >= {k} state bits, got L={self.L}")
+
+
+class TCQCodec(Codec):
+    """Rotated trellis-coded quantisation of keys or values (parameters: `TCQConfig`)."""
+
+    config_class = TCQConfig
+    display_name = "TCQ"
+    token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    requires_pow2 = True
+
+    @classmethod
+    def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
+        return config  # values are coded like keys: the trellis minimises squared error, what a value needs
+
+    def setup(self) -> None:
+        cfg = self.config
+        d = self.head_dim
+        if d < 2 * V:
+            raise CodecError(f"codec {self.name!r}: head_dim must be >= {2 * V}, got {d}")
+        self.steps = d // V
+        self.k, self.hi, self.L, self.norm_bits = 2 * cfg.bits, cfg.hi, cfg.L, cfg.norm
+        if self.hi > self.steps:
+            raise CodecError(f"codec {cfg}: hi={self.hi} exceeds the {self.steps} trellis steps of head_dim {d}")
+        self.widths = step_widths(self.steps, self.k, self.hi)
+        if sum(self.widths) < self.L:
+            raise CodecError(f"codec {cfg}: a {d}-dim vector holds {sum(self.widths)} code bits, fewer than the "
+                             f"L={self.L} bits of one state; use a smaller L or more bits")
+        self.wide = torch.tensor(hi_steps(self.steps, self.hi))
+        self.rotation = RandomizedHadamard(d, num_heads=self.num_heads, seed=self.seed, layer=self.layer,
+                                           stream="tcq")
+        self.table = trellis_table(self.L, self.k)
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def _table_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._tables:
+            self._tables[device] = self.table.to(device)
+        return self._tables[device]
+
+    def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q' = H(s * q) per KV head (fp32)."""
+        return self.rotation.forward(q.float())
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse rotation s * H(y), e.g. for values accumulated in the rotated domain."""
+        return self.rotation.inverse(y.float())
+
+    # -- encode ------------------------------------------------------------------------------------------------
+    def unit_rotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, D] fp32 -> (r = H(s * x), u = r * sqrt(d) / ||x||), u's coordinates close to N(0, 1)."""
+        r = self.rotation.forward(x)
+        norm = x.norm(dim=-1, keepdim=True)
+        u = r * (math.sqrt(self.head_dim) / torch.where(norm > 0, norm, torch.ones_like(norm)))
+        return r, u
+
+    def codes(self, u: torch.Tensor) -> torch.Tensor:
+        """Unit-variance rotated vectors u [..., T, D] -> the Viterbi codes [..., T, steps] (int64)."""
+        flat = u.reshape(-1, self.steps, V)
+        table = self._table_on(u.device)
+        parts = [viterbi(part, table, self.widths, self.L) for part in flat.split(_chunk(self.L), dim=0)]
+        out = torch.cat(parts) if parts else flat.new_zeros(0, self.steps, dtype=torch.int64)
+        return out.view(*u.shape[:-1], self.steps)
+
+    def _encode(self, x: torch.Tensor) -> Encoded:
+        r, u = self.unit_rotated(x)
+        codes = self.codes(u)
+        u_hat = self.unit_from_codes(codes)
+        gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)  # least squares; ||u_hat|| > 0 for a trained table
+        return Encoded(str(self.config), tuple(x.shape), x.dtype, self._pack(codes, gain))
+
+    def _pack(self, codes: torch.Tensor, gain: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = {"code": pack_bits((codes & ((1 << self.k) - 1)).flatten(-2), self.k)}
+        if self.hi:
+            tensors["code_hi"] = pack_bits((codes[..., self.wide.to(codes.device)] >> self.k).flatten(-2), 1)
+        tensors["gain"] = store_norm(gain, self.norm_bits, f"codec {self.config} (layer {self.layer})")
+        return tensors
+
+    # -- decode ------------------------------------------------------------------------------------------------
+    def unpack_codes(self, enc: Encoded) -> torch.Tensor:
+        """The stored codes [..., T, steps] (int64)."""
+        self._check(enc)
+        t = enc.shape[-2]
+        codes = unpack_bits(enc.tensors["code"], self.k, t * self.steps).unflatten(-1, (t, self.steps))
+        if self.hi:
+            extra = unpack_bits(enc.tensors["code_hi"], 1, t * self.hi).unflatten(-1, (t, self.hi))
+            codes[..., self.wide.to(codes.device)] |= extra << self.k
+        return codes
+
+    def unit_from_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [..., T, steps] -> u_hat [..., T, D] fp32: one table row per step."""
+        states = states_from_codes(codes, self.widths, self.L)
+        return self._table_on(codes.device)[states].flatten(-2)
+
+    def _check(self, enc: Encoded) -> None:
+        if enc.codec != str(self.config):
+            raise CodecError(f"cannot decode data encoded by {enc.codec!r} with codec {self.config}")
+
+    def decode_rotated(self, enc: Encoded) -> torch.Tensor:
+        """alpha * u_hat in the rotated domain, [..., T, D] fp32: score = <rotate_query(q), decode_rotated(enc)>."""
+        return enc.tensors["gain"].float().unsqueeze(-1) * self.unit_from_codes(self.unpack_codes(enc))
+
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        return self.rotation.inverse(self.decode_rotated(enc))  # x_hat = s * H(alpha * u_hat)

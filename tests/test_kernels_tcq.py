@@ -1,0 +1,99 @@
+"""TCQ kernels (kernels/tcq_encode.py, kernels/tcq_decode.py) against the torch reference, on CPU through Triton's
+interpreter at small shapes (odd token counts, several heads, wide steps, bf16/fp16/fp32).
+
+What must hold: the Viterbi kernel finds the reference's codes bit for bit on the same u (the same fp32 operations in
+the same order, ties to the lowest index on both sides), so the whole encoding is the reference's; the decoder
+reproduces the reference's decode bit for bit (table lookup, the fp32 butterfly), also into a strided `out`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from mmkv.codecs import build  # noqa: E402
+from mmkv.codecs.tcq import viterbi as reference_viterbi  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py: compiled kernels (CUDA) run the gpu-marked tests
+    pytest.skip("interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+
+def _modules():
+    names = ["common", "packing", "rotation", "tcq_decode", "tcq_encode", "dispatch"]
+    mods = {n: importlib.import_module(f"mmkv.kernels.{n}") for n in names}
+    if not isinstance(mods["tcq_decode"]._tcq_decode_kernel, InterpretedFunction):
+        mods = {n: importlib.reload(mods[n]) for n in names}
+    return mods
+
+
+K = _modules()
+
+# (preset, head_dim, heads (0: a bare [T, D] unit), tokens, input dtype); shipped tables only (training one takes
+# seconds): L = 8 at 2 bits, the default L = 11 at 2, 3, 4 bits.
+CASES = [
+    ("tcq:bits=2,L=8", 16, 2, 5, torch.float32),
+    ("tcq:bits=2,hi=3,L=8", 16, 0, 7, torch.bfloat16),
+    ("tcq:bits=3,hi=8", 32, 2, 3, torch.float16),
+    ("tcq:bits=4,norm=32", 16, 2, 3, torch.float32),
+]
+
+
+def _setup(preset, d, heads, t, dtype, seed=0):
+    codec = build(preset, head_dim=d, num_heads=max(heads, 1), layer=1, seed=5)
+    shape = (2, heads, t, d) if heads else (t, d)
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed + d + t)) * 2.0 + 0.3).to(dtype)
+    return codec, x
+
+
+def test_registered_for_both_ops():
+    assert K["dispatch"].KERNELS["tcq"] == {"encode": "tcq_encode", "decode": "tcq_decode"}
+    assert K["tcq_encode"].supports(build("tcq", head_dim=128))
+    assert not K["tcq_encode"].supports(build("tcq", head_dim=8))
+
+
+@pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[f"{c[0]}-d{c[1]}" for c in CASES])
+def test_viterbi_kernel_finds_the_reference_codes(preset, d, heads, t, dtype):
+    codec, x = _setup(preset, d, heads, t, dtype)
+    _, u = codec.unit_rotated(x.float())
+    ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L)
+    got = K["tcq_encode"].viterbi(codec, u, warps=1)
+    assert torch.equal(got.reshape(-1, codec.steps), ref)
+
+
+def test_encode_is_the_reference_encoding():
+    codec, x = _setup(*CASES[1])
+    ref = codec._encode(x.float())
+    ker = K["tcq_encode"].encode(codec, x)
+    assert list(ker.tensors) == list(ref.tensors)
+    for name, a in ref.tensors.items():
+        assert torch.equal(a, ker.tensors[name]), name
+
+
+@pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[f"{c[0]}-d{c[1]}" for c in CASES])
+def test_decode_is_bit_identical(preset, d, heads, t, dtype):
+    codec, x = _setup(preset, d, heads, t, dtype, seed=1)
+    enc = codec.encode(x)  # CPU: the reference
+    for out_dtype in (dtype, torch.float32):
+        want = codec._decode(enc).to(out_dtype)
+        got = K["tcq_decode"].decode(codec, enc, out_dtype, warps=1)
+        assert torch.equal(got, want)
+
+
+def test_decode_into_a_token_slice():
+    codec, x = _setup("tcq:bits=2,hi=5,L=8", 32, 2, 6, torch.bfloat16, seed=2)
+    enc = codec.encode(x)
+    buf = torch.zeros(2, 2, 10, 32, dtype=torch.bfloat16)
+    got = K["tcq_decode"].decode(codec, enc, torch.bfloat16, warps=1, out=buf[..., 3:9, :])
+    assert got.data_ptr() == buf[..., 3:, :].data_ptr()
+    assert torch.equal(buf[..., 3:9, :], codec._decode(enc).to(torch.bfloat16))
+    assert not buf[..., :3, :].any() and not buf[..., 9:, :].any()
