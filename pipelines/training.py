@@ -179,7 +179,7 @@ def add_stage_arguments(parser, stages: tuple[str, ...], configs: dict[str, Any]
                         help="wall-clock seconds for the stage: steps are cut to fit after a 50-step timing probe")
     parser.add_argument("--steps", type=int, default=None, help="override the config's step count for this stage")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override one config field (repeatable; recorded in train.json), e.g. sat_lr=3e-4")
+                        help="override one config field (repeatable; recorded in train.json), e.g. warmup=200")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
 
 
