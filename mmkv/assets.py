@@ -10,6 +10,10 @@ copying the two folders and writing the sums:
 
 (or `record_sums(folder)`). Every file is checked on use, so a truncated download or a file swapped after install is
 refused rather than rendered.
+
+The trained tiny audio models (docs/training.md) will ship the same way as `mmkv/assets/audio/`, the folder
+`mmkv train audio --stage aar` writes: `AAR_tiny.pth`, `SAT_tiny.pth` and `clap/` (a local CLAP folder), beside
+their `SHA256SUMS`; `trained_audio_assets` checks them.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 VIDEO_ASSETS = Path(__file__).resolve().parent / "assets" / "video"
+AUDIO_ASSETS = Path(__file__).resolve().parent / "assets" / "audio"
 SUMS = "SHA256SUMS"
 CHECKPOINT = "causvid/model.pt"
+AUDIO_FILES = ("AAR_tiny.pth", "SAT_tiny.pth", "clap/config.json")
 _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")  # sha256sum's text (two spaces) and binary (" *") forms
 _FIX = "reinstall mmkv, or run `mmkv demo --random` for the random tiny models"
 
@@ -53,13 +59,13 @@ def record_sums(root: str | Path) -> Path:
     return atomic_write_text(root / SUMS, "".join(f"{sha256_file(root / f)}  {f}\n" for f in files))
 
 
-def trained_video_assets(root: str | Path | None = None) -> dict[str, Any] | None:
-    """The shipped trained video model, checked: {"root", "base" (folder), "causvid" (model.pt), "sums_sha256" (of
-    SHA256SUMS: names this set of weights)}, or None when no weights are shipped. Raises AssetError, one line naming
-    the file, when a file is missing, unrecorded or its SHA-256 differs from the recorded one."""
+def checked_assets(root: Path, required: tuple[str, ...], required_prefix: str | None = None
+                   ) -> tuple[dict[str, str], str] | None:
+    """({relative path: SHA-256}, SHA-256 of SHA256SUMS) of a shipped folder whose every file is recorded and
+    matches, holding `required` (and a file under `required_prefix`); None when the folder holds no files. Raises
+    AssetError, one line naming the file, when a file is missing, unrecorded or differs."""
     from mmkv.pipelines.common import sha256_file
 
-    root = VIDEO_ASSETS if root is None else Path(root)
     sums_path = root / SUMS
     on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != SUMS) \
         if root.is_dir() else []
@@ -69,8 +75,10 @@ def trained_video_assets(root: str | Path | None = None) -> dict[str, Any] | Non
                              + _FIX)
         return None
     sums = read_sums(sums_path)
-    if CHECKPOINT not in sums or not any(f.startswith("base/") for f in sums):
-        raise AssetError(f"{sums_path} must record {CHECKPOINT} and the files of base/; it lists {sorted(sums)}")
+    if any(f not in sums for f in required) or (
+            required_prefix is not None and not any(f.startswith(required_prefix) for f in sums)):
+        what = ", ".join(required) + (f" and the files of {required_prefix}" if required_prefix else "")
+        raise AssetError(f"{sums_path} must record {what}; it lists {sorted(sums)}")
     unrecorded = [f for f in on_disk if f not in sums]
     if unrecorded:
         raise AssetError(f"{root / unrecorded[0]} is not recorded in {sums_path}: every shipped file must be; " + _FIX)
@@ -81,5 +89,25 @@ def trained_video_assets(root: str | Path | None = None) -> dict[str, Any] | Non
         have = sha256_file(path)
         if have != want:
             raise AssetError(f"{path}: SHA-256 {have} differs from {want} recorded in {sums_path}; " + _FIX)
-    return {"root": root, "base": root / "base", "causvid": root / CHECKPOINT,
-            "sums_sha256": hashlib.sha256(sums_path.read_bytes()).hexdigest()}
+    return sums, hashlib.sha256(sums_path.read_bytes()).hexdigest()
+
+
+def trained_video_assets(root: str | Path | None = None) -> dict[str, Any] | None:
+    """The shipped trained video model, checked: {"root", "base" (folder), "causvid" (model.pt), "sums_sha256" (of
+    SHA256SUMS: names this set of weights)}, or None when no weights are shipped. Raises AssetError, one line naming
+    the file, when a file is missing, unrecorded or its SHA-256 differs from the recorded one."""
+    root = VIDEO_ASSETS if root is None else Path(root)
+    found = checked_assets(root, (CHECKPOINT,), "base/")
+    if found is None:
+        return None
+    return {"root": root, "base": root / "base", "causvid": root / CHECKPOINT, "sums_sha256": found[1]}
+
+
+def trained_audio_assets(root: str | Path | None = None) -> dict[str, Any] | None:
+    """The shipped trained audio models, checked as `trained_video_assets` checks the video one: {"root", "aar"
+    (the folder `load_models` reads), "clap" (the local CLAP folder), "sums_sha256"}, or None when none is shipped."""
+    root = AUDIO_ASSETS if root is None else Path(root)
+    found = checked_assets(root, AUDIO_FILES)
+    if found is None:
+        return None
+    return {"root": root, "aar": root, "clap": root / "clap", "sums_sha256": found[1]}

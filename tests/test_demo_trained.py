@@ -19,7 +19,7 @@ import pytest
 
 import mmkv.assets
 from mmkv import demo
-from mmkv.assets import AssetError, read_sums, record_sums, trained_video_assets
+from mmkv.assets import AssetError, read_sums, record_sums, trained_audio_assets, trained_video_assets
 from mmkv.cli import main
 from mmkv.pipelines.common import parse_codec_list
 
@@ -119,7 +119,7 @@ def test_an_incomplete_install_is_refused(standin, tmp_path, damage):
 def test_package_data_ships_the_nested_asset_files():
     """The shipped layout is nested (base/vae/...): the package-data glob must reach every level."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "assets/video/**/*" in cfg["tool"]["setuptools"]["package-data"]["mmkv"]
+    assert {"assets/video/**/*", "assets/audio/**/*"} <= set(cfg["tool"]["setuptools"]["package-data"]["mmkv"])
 
 
 def test_trained_mode_is_the_default_when_weights_are_shipped(trained, standin):
@@ -181,3 +181,23 @@ def test_prompts_are_for_the_random_models(standin, tmp_path):
         rc, _, stderr = _demo("--quick", "--prompts", str(ROOT / "prompts" / "prompts.txt"),
                               "--out", str(tmp_path / "out"))
     assert rc == 2 and "--prompts is for the random models" in stderr and not (tmp_path / "out").exists()
+
+
+def test_audio_assets_are_checked_like_the_video_ones(tmp_path):
+    root = tmp_path / "audio"
+    assert trained_audio_assets(root) is None
+    (root / "clap").mkdir(parents=True)
+    for rel in ("AAR_tiny.pth", "SAT_tiny.pth", "clap/config.json", "clap/model.safetensors"):
+        (root / rel).write_bytes(rel.encode())
+    with pytest.raises(AssetError, match="no SHA256SUMS"):
+        trained_audio_assets(root)
+    record_sums(root)
+    found = trained_audio_assets(root)
+    assert found["aar"] == root and found["clap"] == root / "clap" and len(found["sums_sha256"]) == 64
+    (root / "clap" / "model.safetensors").write_bytes(b"changed")
+    with pytest.raises(AssetError, match="model.safetensors: SHA-256 .* differs"):
+        trained_audio_assets(root)
+    (root / "SAT_tiny.pth").unlink()
+    record_sums(root)
+    with pytest.raises(AssetError, match="must record AAR_tiny.pth, SAT_tiny.pth, clap/config.json"):
+        trained_audio_assets(root)
