@@ -13,11 +13,13 @@ refused rather than rendered.
 
 The trained tiny audio models (docs/training.md) will ship the same way as `mmkv/assets/audio/`, the folder
 `mmkv train audio --stage aar` writes: `AAR_tiny.pth`, `SAT_tiny.pth` and `clap/` (a local CLAP folder), beside
-their `SHA256SUMS`; `trained_audio_assets` checks them.
+their `SHA256SUMS`; `trained_audio_assets` checks them, and `mmkv compare audio` reads them when no `--aar` is
+given.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
 from pathlib import Path, PurePosixPath
@@ -27,7 +29,7 @@ VIDEO_ASSETS = Path(__file__).resolve().parent / "assets" / "video"
 AUDIO_ASSETS = Path(__file__).resolve().parent / "assets" / "audio"
 SUMS = "SHA256SUMS"
 CHECKPOINT = "causvid/model.pt"
-AUDIO_FILES = ("AAR_tiny.pth", "SAT_tiny.pth", "clap/config.json")
+AUDIO_FILES = ("AAR_*.pth", "SAT_*.pth", "clap/config.json")  # glob patterns: one file must match each
 _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")  # sha256sum's text (two spaces) and binary (" *") forms
 _FIX = "reinstall mmkv, or run `mmkv demo --random` for the random tiny models"
 
@@ -62,8 +64,9 @@ def record_sums(root: str | Path) -> Path:
 def checked_assets(root: Path, required: tuple[str, ...], required_prefix: str | None = None
                    ) -> tuple[dict[str, str], str] | None:
     """({relative path: SHA-256}, SHA-256 of SHA256SUMS) of a shipped folder whose every file is recorded and
-    matches, holding `required` (and a file under `required_prefix`); None when the folder holds no files. Raises
-    AssetError, one line naming the file, when a file is missing, unrecorded or differs."""
+    matches, holding a file for each of the `required` glob patterns (and one under `required_prefix`); None when
+    the folder holds no files. Raises AssetError, one line naming the file, when a file is missing, unrecorded or
+    differs."""
     from mmkv.pipelines.common import sha256_file
 
     sums_path = root / SUMS
@@ -75,9 +78,9 @@ def checked_assets(root: Path, required: tuple[str, ...], required_prefix: str |
                              + _FIX)
         return None
     sums = read_sums(sums_path)
-    if any(f not in sums for f in required) or (
+    if any(not fnmatch.filter(sums, pattern) for pattern in required) or (
             required_prefix is not None and not any(f.startswith(required_prefix) for f in sums)):
-        what = ", ".join(required) + (f" and the files of {required_prefix}" if required_prefix else "")
+        what = " and ".join(filter(None, [", ".join(required), required_prefix and f"the files of {required_prefix}"]))
         raise AssetError(f"{sums_path} must record {what}; it lists {sorted(sums)}")
     unrecorded = [f for f in on_disk if f not in sums]
     if unrecorded:

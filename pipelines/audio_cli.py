@@ -65,11 +65,12 @@ HASH_LABELS = {"aar_sha256": "AAR checkpoint", "sat_sha256": "SAT checkpoint",
                "conditioner_sha256": "conditioner (--clap / --embeddings)"}
 
 
-def add_model_arguments(models, conditioning, *, required: bool) -> None:
+def add_model_arguments(models, conditioning, *, required: bool, shipped_default: bool = False) -> None:
     """The AAR / SAT / CLAP flags, shared by `mmkv compare audio` and `mmkv inspect kv`."""
     models.add_argument("--aar", required=required, metavar="DIR",
                         help="directory with AAR_d16_bs2048.pth and SAT_d128_lat128.pth (or one AAR*/SAT* checkpoint "
-                             "each)")
+                             "each)" + ("; default: the trained tiny models shipped in the package, with their CLAP "
+                                        "(mmkv/assets/audio/, when installed)" if shipped_default else ""))
     models.add_argument("--sat", metavar="FILE", help="SAT checkpoint, when it is not in --aar")
     conditioning.add_argument("--clap", metavar="DIR",
                               help="local laion/larger_clap_general directory (transformers); with --clap-backend "
@@ -84,7 +85,7 @@ def add_model_arguments(models, conditioning, *, required: bool) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     models = parser.add_argument_group("models")
     g = parser.add_argument_group("conditioning")
-    add_model_arguments(models, g, required=True)
+    add_model_arguments(models, g, required=False, shipped_default=True)
     g.add_argument("--clips", nargs="+", metavar="DIR|FILE",
                    help="audio clips (any common format and sample rate) or folders searched recursively; may be "
                         "omitted with --embeddings (one rollout per embedding). A <clip stem>.txt beside a clip is "
@@ -238,7 +239,8 @@ def _read_rollout(folder: RunFolder, item: str, variant: str):
 
     d = folder.rollout_dir(item, variant)
     audio, sr = sf.read(str(d / AUDIO_FILES["audio"]), dtype="float32")
-    return audio, sr, load_file(str(d / AUDIO_FILES["latent"]))["latent"], load_file(str(d / AUDIO_FILES["tokens"]))["tokens"]
+    latent = load_file(str(d / AUDIO_FILES["latent"]))["latent"]
+    return audio, sr, latent, load_file(str(d / AUDIO_FILES["tokens"]))["tokens"]
 
 
 def clip_metrics(folder: RunFolder, item: str, variant: str) -> dict[str, Any]:
@@ -324,6 +326,26 @@ def _items(args: argparse.Namespace, cond: Conditioner) -> tuple[list[str], list
     return names, paths
 
 
+def use_shipped_models(args: argparse.Namespace) -> None:
+    """Without --aar: the trained tiny models shipped in the package (`mmkv.assets.trained_audio_assets`), and their
+    CLAP unless --clap or --embeddings is given; a clear error when none is installed or a file fails its check."""
+    from mmkv.assets import AssetError, trained_audio_assets
+
+    if args.aar is not None:
+        return
+    if args.sat is not None:
+        raise RunError("--sat needs --aar (the shipped models come as a pair)")
+    try:
+        shipped = trained_audio_assets()
+    except AssetError as err:
+        raise RunError(str(err)) from None
+    if shipped is None:
+        raise RunError("give --aar DIR: no trained audio models are shipped in this installation (mmkv/assets/audio/)")
+    args.aar = str(shipped["aar"])
+    if args.clap is None and args.embeddings is None:
+        args.clap = str(shipped["clap"])
+
+
 def run(args: argparse.Namespace) -> int:
     from mmkv.pipelines.aar.clap import ClipError
     from mmkv.pipelines.aar.loaders import load_models
@@ -339,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
     if not specs:
         raise RunError("give at least one codec: --codecs identity,octopus:b=3 (the reference is always run)")
     sampling = SamplingConfig(cfg=args.cfg, top_k=args.top_k, top_p=args.top_p)
+    use_shipped_models(args)
     conditioner = Conditioner(args, device)
     names, paths = _items(args, conditioner)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +226,34 @@ def test_laion_clap_is_never_imported_eagerly(tmp_path):
     except ImportError:
         with pytest.raises(clap.ClipError, match=r"mmkv\[clap\]"):
             clap.LaionClapEmbedder(ckpt)
+
+
+def test_compare_audio_without_aar_uses_the_shipped_models_or_says_none_are(workdir, tiny_clap, tmp_path, capsys,
+                                                                            monkeypatch):
+    import shutil
+
+    import mmkv.assets
+    from mmkv.assets import record_sums
+
+    monkeypatch.setattr(mmkv.assets, "AUDIO_ASSETS", tmp_path / "absent")
+    argv = ["compare", "audio", "--clips", str(workdir / "clips" / "a_stereo44k.wav"), "--codecs", "identity",
+            "--out", str(tmp_path / "run0"), "--device", "cpu"]
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2 and "give --aar DIR: no trained audio models are shipped" in err and "Traceback" not in err
+
+    shipped = tmp_path / "audio"
+    shutil.copytree(workdir / "models", shipped)
+    shutil.copytree(tiny_clap[0], shipped / "clap")
+    record_sums(shipped)
+    monkeypatch.setattr(mmkv.assets, "AUDIO_ASSETS", shipped)
+    argv[-3] = str(tmp_path / "run1")
+    rc, out, err = _run(argv, capsys)
+    assert rc == 0, out + err
+    config = json.loads((tmp_path / "run1" / "manifest.rank0.json").read_text())["config"]
+    assert Path(config["aar_checkpoint"]) == shipped / "AAR_micro.pth"
+    assert Path(config["conditioner"]["path"]) == shipped / "clap"
+
+    (shipped / "SAT_micro.pth").write_bytes(b"swapped")
+    argv[-3] = str(tmp_path / "run2")
+    rc, _, err = _run(argv, capsys)
+    assert rc == 2 and "SAT_micro.pth: SHA-256" in err and err.count("\n") == 1

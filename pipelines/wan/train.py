@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from mmkv.io import save_pretrained
 from mmkv.pipelines.training import (
-    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, seeded, start_stage,
+    add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, seeded,
+    start_stage,
 )
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.release import write_release  # noqa: F401  (re-exported: train.write_release)
