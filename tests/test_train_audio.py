@@ -253,6 +253,12 @@ def test_batch_si_snr_equals_the_float64_one_per_clip():
     est = ref + 0.3 * torch.randn(3, 2000, generator=gen)
     per_clip = [si_snr_db(ref[i], est[i]) for i in range(3)]
     assert batch_si_snr_db(est, ref).item() == pytest.approx(float(np.mean(per_clip)), abs=1e-4)
+    for i in range(3):  # against numpy, written from Le Roux et al. 2019, eq. 2 to 4
+        r, e = ref[i].double().numpy(), est[i].double().numpy()
+        r, e = r - r.mean(), e - e.mean()
+        target = (e @ r) / (r @ r) * r
+        assert per_clip[i] == pytest.approx(10 * np.log10((target @ target) / ((e - target) @ (e - target))),
+                                            abs=1e-9)
     assert 5 < per_clip[0] < 15  # 0.3 noise: about 10.5 dB
 
 

@@ -186,10 +186,8 @@ def batch_si_snr_db(est: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def si_snr_db(ref: torch.Tensor, est: torch.Tensor) -> float:
-    """Scale-invariant SNR (Le Roux et al. 2019, eq. 2 to 4) of zero-mean signals, float64."""
-    s, e = ref.double() - ref.double().mean(), est.double() - est.double().mean()
-    target = (e @ s) / (s @ s) * s
-    return float(10 * torch.log10((target @ target) / ((e - target) @ (e - target)).clamp(min=1e-20)))
+    """`batch_si_snr_db` of one clip, in float64."""
+    return float(batch_si_snr_db(est.double()[None], ref.double()[None]))
 
 
 @torch.no_grad()

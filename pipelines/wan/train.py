@@ -455,13 +455,12 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
         first_only = float(torch.rand(1, generator=cpu_gen)) < cfg.first_block_share
         batch = cfg.first_block_batch if first_only else cfg.dit_batch
         idx = torch.randint(0, data.shape[0], (batch,), generator=cpu_gen).to(device)
-        x0 = data[idx].float()
+        x0 = (data[idx, :cfg.frames_per_block] if first_only else data[idx]).float()
         drop = (torch.rand(batch, generator=cpu_gen) < cfg.empty_caption).to(device)
         b_ids = torch.where(drop[:, None], empty_ids, ids[idx])
         b_mask = torch.where(drop[:, None], empty_mask, mask[idx])
         context = text_states(encoder, b_ids, b_mask)
         if first_only:  # text-to-first-block: the block denoised on its own, as a rollout's first block is
-            x0 = x0[:, :cfg.frames_per_block]
             t = block_timesteps(gen, batch, cfg.frames_per_block, cfg.frames_per_block, cfg.shift, device)
         else:
             fpb = 1 if float(torch.rand(1, generator=cpu_gen)) < cfg.framewise else cfg.frames_per_block
