@@ -71,7 +71,10 @@ class VideoTrainConfig:
     vae_stat_clips: int  # clips whose latents give latents_mean / latents_std
     # A share of the VAE steps sees long crops (`vae_long_frames` frames of a `vae_long_size` spatial window): with
     # short crops only, the causal convolutions' caches never hold real content beyond two chunks, and full clips
-    # degrade after frame 9 (measured: 33 dB on 9-frame crops, 18 dB on 81-frame clips; docs/training.md).
+    # degrade after frame 9 (measured: 33 dB on 9-frame crops, 18 dB on 81-frame clips; docs/training.md). The
+    # encoder drifts too, not only the decoder: an encoder trained on 9-frame crops codes frames 17-24 of a full
+    # clip 0.8 (mean |delta|, latents of mean magnitude 1.1) away from the same frames coded as a clip of their own,
+    # and the named object is gone from its decoded full clips after frame 12. So the long crops are whole clips.
     vae_long_share: float
     vae_long_frames: int
     vae_long_size: tuple[int, int]
@@ -124,7 +127,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
         t5={**_T5, "d_model": 64, "d_ff": 256, "num_layers": 2},
         text_len=16,
         vae_steps=3000, vae_batch=32, vae_frames=9, vae_lr=1e-3, vae_kl=1e-6, vae_stat_clips=256,
-        vae_long_share=0.4, vae_long_frames=41, vae_long_size=(32, 48), vae_long_batch=8,
+        vae_long_share=0.7, vae_long_frames=81, vae_long_size=(32, 48), vae_long_batch=8,
         dit_clips=8192, dit_steps=6000, dit_batch=32, dit_lr=5e-4, ema=0.999, empty_caption=0.1, framewise=0.25,
         shift=5.0,
         ode_clips=3072, ode_steps=48, guidance=2.0, distill_steps=3000, distill_batch=32, distill_lr=1e-4,
