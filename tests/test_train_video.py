@@ -226,3 +226,17 @@ def test_decoder_only_fine_tunes_the_decoder_of_a_release_and_keeps_its_latents(
         _run("vae", tmp_path / "vae3", steps=2, decoder_only=True)
     with pytest.raises(ValueError, match="--stage vae only"):
         _run("dit", tmp_path / "dit4", root / "vae", steps=2, decoder_only=True)
+
+
+def test_ema_warm_up_leaves_little_of_the_init_after_a_short_stage():
+    """A stage cut to 644 steps by its budget must not write an EMA that is half its init (0.999^644 = 0.52)."""
+    from mmkv.pipelines.training import ema_decay, ema_update
+
+    assert ema_decay(0.999, 0) == pytest.approx(2 / 11)
+    assert ema_decay(0.999, 20_000) == 0.999
+    init, target = torch.nn.Linear(4, 4, bias=False).requires_grad_(False), torch.nn.Linear(4, 4, bias=False)
+    torch.nn.init.zeros_(init.weight)
+    torch.nn.init.ones_(target.weight)
+    for step in range(644):
+        ema_update(init, target, 0.999, step)
+    assert float(init.weight.min()) > 0.99  # without the warm-up: 1 - 0.999^644 = 0.475

@@ -378,7 +378,7 @@ def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
 
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(aar.parameters()), loss_fn, steps=cfg.aar_steps, lr=cfg.aar_lr, warmup=cfg.warmup,
-                     budget_s=remaining, device=device, after_step=lambda s: ema_update(ema, aar, cfg.ema), log=log,
+                     budget_s=remaining, device=device, after_step=lambda s: ema_update(ema, aar, cfg.ema, s), log=log,
                      name="aar", amp=False)
     ema.eval()
     save_released_format(ema, out / f"AAR_{cfg.name}.pth")

@@ -159,7 +159,7 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(student.parameters()), loss_fn, steps=cfg.distill_steps, lr=cfg.distill_lr,
                       warmup=cfg.warmup, budget_s=remaining, device=device,
-                      after_step=lambda s: ema_update(ema, student, cfg.ema), log=log, name="distill")
+                      after_step=lambda s: ema_update(ema, student, cfg.ema, s), log=log, name="distill")
     write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema, base_from=dit_folder / "base")
     return {**stats, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()}, "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
             "capture_timesteps": {"causvid": chunk_ts, "causal-forcing-frame": frame_ts}}

@@ -478,8 +478,8 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
         return F.mse_loss(flow.float(), noise - x0)
 
     def after(step: int) -> None:
-        ema_update(ema_dit, dit, cfg.ema)
-        ema_update(ema_enc, encoder, cfg.ema)
+        ema_update(ema_dit, dit, cfg.ema, step)
+        ema_update(ema_enc, encoder, cfg.ema, step)
 
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(dit.parameters()) + list(encoder.parameters()), loss_fn, steps=cfg.dit_steps,
