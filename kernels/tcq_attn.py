@@ -40,8 +40,13 @@ from mmkv.kernels.attn_splitk import (
     value_rows,
     value_step,
 )
+from mmkv.kernels import tcq_decode
 from mmkv.kernels.packing import unpack_at
-from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401 - supports(codec): the head dims covered
+
+
+def supports(codec) -> bool:
+    """Whether the kernel covers this TCQ codec (key or value): the head dims of the TCQ kernels, 16..256."""
+    return tcq_decode.supports(codec)
 
 
 @triton.jit
@@ -142,9 +147,9 @@ def trellis_args(codec, enc, device: torch.device) -> tuple[list[torch.Tensor], 
     code_hi = _byte_plane(enc.tensors["code_hi"]) if codec.hi else code  # unread when hi = 0
     if gain.stride(-1) != 1:
         raise KernelUnsupported("TCQ gains need a unit inner stride")
-    tab = tables(codec, device)
+    tab = tcq_decode.tables(codec, device)  # the decode kernel's table and lookback tables, shared
     tensors = [code, code_hi, gain, tab["table"], tab["src"], tab["shift"], tab["wide"], tab["rank"]]
-    strides = [code.stride(0), code.stride(1), code_hi.stride(0), code_hi.stride(1), gain.stride(0), gain.stride(1)]
+    strides = [x.stride(i) for x in (code, code_hi, gain) for i in (0, 1)]
     return tensors, strides, dict(K=codec.k, HI=codec.hi, L=codec.L, J=tab["src"].shape[0])
 
 
@@ -169,7 +174,7 @@ class TCQAttention(SplitKAttention):
 
     def check(self, q: torch.Tensor, seg) -> None:
         d = seg.k_enc.shape[-1]
-        if not supports(seg.k_codec):
+        if not supports(seg.k_codec) or (self.rotated_values and not supports(seg.v_codec)):
             raise KernelUnsupported(f"head dim {d} is outside the TCQ kernels' 16..256")
         if not self.rotated_values:
             value_layout(seg.v_codec, d)
@@ -182,34 +187,38 @@ class TCQAttention(SplitKAttention):
             return out
         return apply_rotation(out, rotation_matrix(seg.v_codec, "unrotate", out.device), seg.v_enc.shape[1])
 
-    def launch(self, qk, seg, out_part, lse_part, split0, scale, tile0, tiles, splits) -> None:
-        kc, vc, ke, ve = seg.k_codec, seg.v_codec, seg.k_enc, seg.v_enc
-        b, h, t, d = ke.shape
-        k_t, k_s, k_c = trellis_args(kc, ke, qk.device)
+    def value_args(self, seg, device: torch.device, dummy: list[torch.Tensor]) -> tuple[list, list, dict]:
+        """(tensors, strides, constants) of the values: (codes, wide bits, gains or scales, offsets, 5 trellis
+        tables); (B, H) strides of the first three and the scales' token stride; the accumulator layout and the
+        trellis constants. Slots the value codec has not are filled with `dummy` tensors, never read."""
+        vc, ve, d = seg.v_codec, seg.v_enc, seg.v_enc.shape[-1]
         if self.rotated_values:
-            v_t, _, v_c = trellis_args(vc, ve, qk.device)
-            vcodes, vhi, vs, vtabs = v_t[0], v_t[1], v_t[2], v_t[3:]
-            vo, vs_st = vs, 1  # groupquant offsets: unread
-            vl = dict(NG=1, UPG=kc.steps, VSU=2, VW=1, VHALF=False)  # the [1, STEPS, 2] accumulator
+            (codes, hi, gain, *tabs), _, c = trellis_args(vc, ve, device)
+            tensors, st = [codes, hi, gain, gain, *tabs], 1
+            consts = dict(NG=1, UPG=vc.steps, VSU=2, VW=1, VHALF=False)  # the [1, STEPS, 2] rotated accumulator
+            consts.update(VK=c["K"], VHI=c["HI"], VL=c["L"], VJ=c["J"])
         else:
-            vl = value_layout(vc, d)
-            vcodes, vs, vo = code_plane(ve.tensors["codes"], vl["VW"]), ve.tensors["scale"], ve.tensors["offset"]
-            if vs.stride(-1) != 1 or vo.stride() != vs.stride():
+            consts = value_layout(vc, d)
+            codes = code_plane(ve.tensors["codes"], consts["VW"])
+            scale, offset = ve.tensors["scale"], ve.tensors["offset"]
+            if scale.stride(-1) != 1 or offset.stride() != scale.stride():
                 raise KernelUnsupported("group scales and offsets need unit inner strides and shared strides")
-            vhi, vtabs, vs_st = vcodes, k_t[3:], vs.stride(2)  # TCQ value planes and tables: unread
-            v_c = dict(K=1, HI=0, L=1, J=1)
+            tensors, st = [codes, codes, scale, offset, *dummy], scale.stride(2)
+            consts.update(VK=1, VHI=0, VL=1, VJ=1)
+        strides = [x.stride(i) for x in tensors[:3] for i in (0, 1)] + [st]
+        return tensors, strides, consts
+
+    def launch(self, qk, seg, out_part, lse_part, split0, scale, tile0, tiles, splits) -> None:
+        b, h, t, d = seg.k_enc.shape
+        k_t, k_s, k_c = trellis_args(seg.k_codec, seg.k_enc, qk.device)
+        v_t, v_s, v_c = self.value_args(seg, qk.device, k_t[3:])
         _tcq_attn_kernel[launch_grid(qk, splits)](
-            qk, out_part, lse_part,
-            *k_t,
-            vcodes, vhi, vs, vo, *vtabs,
+            qk, out_part, lse_part, *k_t, *v_t,
             t, seg.skip_tokens, tile0, triton.cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
-            qk.shape[1] // h, scale * LOG2E,
-            *k_s,
-            vcodes.stride(0), vcodes.stride(1), vhi.stride(0), vhi.stride(1), vs.stride(0), vs.stride(1), vs_st,
-            D=d, STEPS=kc.steps, BLOCK_N=self.tile_size(seg),
-            KK=k_c["K"], KHI=k_c["HI"], KL=k_c["L"], KJ=k_c["J"],
-            VTCQ=self.rotated_values, VK=v_c["K"], VHI=v_c["HI"], VL=v_c["L"], VJ=v_c["J"],
-            STAGES=self.stages, ASM=use_asm(), num_warps=self.warps(seg), **vl,
+            qk.shape[1] // h, scale * LOG2E, *k_s, *v_s,
+            D=d, STEPS=seg.k_codec.steps, BLOCK_N=self.tile_size(seg),
+            KK=k_c["K"], KHI=k_c["HI"], KL=k_c["L"], KJ=k_c["J"], VTCQ=self.rotated_values,
+            STAGES=self.stages, ASM=use_asm(), num_warps=self.warps(seg), **v_c,
         )
 
 
