@@ -2,13 +2,14 @@
 pairing `TCQCodec.value_config` makes) or groupquant values (as TurboQuant-MSE's kernel).
 
 Scores in the rotated domain: q.k^ = gain_t <H(s q), u^_t>, the query rotated once per call. u^_t is QTIP's bitshift
-trellis (Tseng et al., NeurIPS 2024, section 3): step i of a token reconstructs the V = 2 values table[state_i], where
-state_i is the last L bits of the token's circular code string up to step i. The stream stores step i's code above
-step i - 1's while the trellis shifts older codes up, so a state is not one contiguous window of the packed bits: it
-is assembled from the codes of the J most recent steps, each read from its 1-3 byte window of the dense stream and
-shifted by the bits of the steps after it (the host tables of `tcq_decode.lookback`; the extra bit of a wide step comes
-from the `code_hi` plane at the step's rank). Mixed step widths (fractional rates, `hi` > 0) therefore run fused,
-the widths living only in those tables. The fp32 table (2^L x 2, 16 KB at L = 11) is read through L1 with `lookup`.
+trellis (Tseng et al., NeurIPS 2024; Cornell-RelaxML/qtip lib/codebook/bitshift.py): step i of a token reconstructs
+the V = 2 values table[state_i], where state_i is the last L bits of the token's circular code string up to step i.
+The stream stores step i's code above step i - 1's while the trellis shifts older codes up, so a state is not one
+contiguous window of the packed bits: it is assembled from the codes of the J most recent steps, each read from its
+1-3 byte window of the dense stream and shifted by the bits of the steps after it (the host tables of
+`tcq_decode.lookback`; the extra bit of a wide step comes from the `code_hi` plane at the step's rank). Mixed step
+widths (fractional rates, `hi` > 0) therefore run fused, the widths living only in those tables. The fp32 table
+(2^L x 2, 16 KB at L = 11) is read through L1 with `lookup`.
 
 TCQ values are accumulated in the rotated domain, sum_t p_t gain_t u^_t, and rotated back once per output row (as
 OScaR's rotated V, `oscar_attn.py`); groupquant values are the unrotated token groups (`value_step`).
