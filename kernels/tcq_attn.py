@@ -167,10 +167,10 @@ class TCQAttention(SplitKAttention):
 
     def __call__(self, q: torch.Tensor, segments, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         # Rotated values of every segment are summed before one rotation back: they must share the V rotation.
-        seen = [s for s in segments if s.encoded and s.num_tokens > 0]
-        if self.rotated_values and seen and any(not _same_rotation(s.v_codec, seen[0].v_codec) for s in seen):
+        live = [s for s in segments if s.encoded and s.num_tokens > 0]
+        if self.rotated_values and any(not _same_rotation(s.v_codec, live[0].v_codec) for s in live):
             self.last_path = "reference"
-            return reference_lse(q, segments, scale)
+            return reference_lse(q, live, scale)
         return super().__call__(q, segments, scale)
 
     def check(self, q: torch.Tensor, seg) -> None:
