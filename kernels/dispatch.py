@@ -49,7 +49,7 @@ KERNELS: dict[str, dict[str, str]] = {
     "turboquant-mse": {"encode": "turboquant_mse_encode", "decode": "turboquant_mse_decode",
                        "attention": "turboquant_mse_attn"},
     "turboquant-prod": {"encode": "turboquant_prod_encode", "decode": "turboquant_prod_decode"},
-    "tcq": {"encode": "tcq_encode", "decode": "tcq_decode"},
+    "tcq": {"encode": "tcq_encode", "decode": "tcq_decode", "attention": "tcq_attn"},
 }
 
 

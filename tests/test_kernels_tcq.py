@@ -56,7 +56,8 @@ def _setup(preset, d, heads, t, dtype, seed=0):
 
 
 def test_registered_for_both_ops():
-    assert K["dispatch"].KERNELS["tcq"] == {"encode": "tcq_encode", "decode": "tcq_decode"}
+    kernels = K["dispatch"].KERNELS["tcq"]
+    assert (kernels["encode"], kernels["decode"]) == ("tcq_encode", "tcq_decode")  # attention: test_kernels_tcq_attn
     assert K["tcq_encode"].supports(build("tcq", head_dim=128))
     assert not K["tcq_encode"].supports(build("tcq", head_dim=8))
 

@@ -45,8 +45,7 @@ DECODE_PRESETS = (
     "octopus:b=4",
     "octopus:b=3",
     "octopus:b=2",
-    # TCQ at each OCTOPUS point's effective bits (the synthetic bench's iso-rate rows): no fused attention kernel yet,
-    # so its rows are the video and encode cases
+    # TCQ at each OCTOPUS point's effective bits (the synthetic bench's iso-rate rows); no decode target of its own
     "tcq:bits=4,hi=47,norm=32",
     "tcq:bits=3,hi=46,norm=32",
     "tcq:bits=2,hi=45,norm=32",
@@ -73,6 +72,7 @@ SWEEP = {
     "oscar": [(1, None, 1)],
     "turboquant-mse": [(4, 32, 1), (4, 64, 2)],
     "octopus": [(8, 64, 1), (2, 32, 1)],
+    "tcq": [(4, 64, 1), (8, 64, 1), (2, 32, 1)],  # not measured yet: the default is (4 warps, block 32)
 }
 
 
