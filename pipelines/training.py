@@ -39,7 +39,10 @@ def seeded(seed: int, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 
 class Budget:
     """Cuts a stage's step count to its wall-clock budget, from the time of steps `warm`..`probe` (the first steps
-    pay for CUDA context, cuDNN algorithm search and allocator growth, and would under-count what fits)."""
+    pay for CUDA context, cuDNN algorithm search and allocator growth, and would under-count what fits), and again
+    every `probe` steps after that from the mean step time since `warm`, never raising the count: a GPU shared with
+    another run can slow down after the probe (a SAT stage planned from its probe ran 704 s on a 400 s budget;
+    docs/training.md)."""
 
     def __init__(self, steps: int, budget_s: float | None, probe: int = 50):
         self.steps = steps
@@ -53,11 +56,13 @@ class Budget:
     def update(self, done: int) -> None:
         if done == self.warm:
             self._warm_at = time.perf_counter()
-        if done == self.probe:
+        if done >= self.probe and done % self.probe == 0:
             now = time.perf_counter()
-            self.step_seconds = (now - self._warm_at) / max(1, done - self.warm)
+            seconds = (now - self._warm_at) / max(1, done - self.warm)
+            if done == self.probe:
+                self.step_seconds = seconds  # what train.json reports as the probe
             if self.budget_s is not None:
-                fit = done + int((self.budget_s - (now - self.start)) / self.step_seconds)
+                fit = done + int((self.budget_s - (now - self.start)) / seconds)
                 self.steps = max(min(self.steps, fit), done)
 
 

@@ -240,3 +240,21 @@ def test_ema_warm_up_leaves_little_of_the_init_after_a_short_stage():
     for step in range(644):
         ema_update(init, target, 0.999, step)
     assert float(init.weight.min()) > 0.99  # without the warm-up: 1 - 0.999^644 = 0.475
+
+
+def test_budget_replans_when_steps_slow_down_after_the_probe(monkeypatch):
+    """Steps of 1 s through the probe, then 3 s: a 200 s budget must stop near 200 s, not at the probe's plan."""
+    from mmkv.pipelines import training
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(training.time, "perf_counter", lambda: clock["t"])
+    budget = training.Budget(10_000, 200.0, probe=50)
+    done = 0
+    while done < budget.steps:
+        clock["t"] += 1.0 if done < 50 else 3.0
+        done += 1
+        budget.update(done)
+        if done == 50:
+            assert budget.steps == 200  # the probe's plan: 150 s left at 1 s a step
+    assert budget.step_seconds == 1.0
+    assert clock["t"] <= 215.0  # the plan alone would have run to 50 + 150 x 3 = 500 s
