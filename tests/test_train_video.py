@@ -258,3 +258,21 @@ def test_budget_replans_when_steps_slow_down_after_the_probe(monkeypatch):
             assert budget.steps == 200  # the probe's plan: 150 s left at 1 s a step
     assert budget.step_seconds == 1.0
     assert clock["t"] <= 215.0  # the plan alone would have run to 50 + 150 x 3 = 500 s
+
+
+def test_object_mask_is_the_named_object_only():
+    """The VAE's object weight must land on the named object's pixels and nowhere else in rendered clips."""
+    from mmkv.pipelines.wan import scenes
+
+    seeds = scenes.held_out_seeds(6)
+    px, _ = train.render_pixels(seeds, frames=5, height=64, width=96, device=torch.device("cpu"))
+    mask = train.object_mask(px)[:, 0]
+    for i, seed in enumerate(seeds):
+        scene = scenes.sample_scene(seed)
+        colour = torch.tensor(scenes.COLOURS[scene.colour], dtype=torch.float32) / 127.5 - 1
+        near = (px[i] - colour.view(3, 1, 1, 1)).abs().amax(0) < 0.05  # the object's interior
+        assert near.any() and bool(mask[i][near].all())
+        assert float(mask[i].float().mean()) < 0.1  # an object, not the background
+    rec = px + 0.1
+    assert float(train.reconstruction_loss(rec, px, 0.0)) == pytest.approx(0.1 + 0.01, rel=1e-5)
+    assert float(train.reconstruction_loss(rec, px, 4.0)) == pytest.approx(0.1 + 0.01, rel=1e-5)  # uniform error
