@@ -239,8 +239,7 @@ def _identity(plan: Plan, seed: int, trained: dict[str, Any] | None,
 
 def _same_identity(have: Any, want: dict[str, Any]) -> bool:
     """`have` (a stored identity) is `want`; a missing `audio_weights` means the random audio models."""
-    keys = [*want, *(["audio_weights"] if "audio_weights" not in want else [])]
-    return isinstance(have, dict) and all(have.get(k) == want.get(k) for k in keys)
+    return isinstance(have, dict) and all(have.get(k) == want.get(k) for k in {*want, "audio_weights"})
 
 
 def held_out_sounds(n: int, sample_rate: int, samples: int) -> list[tuple[str, np.ndarray, str]]:
