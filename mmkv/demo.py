@@ -6,9 +6,17 @@ By default the video runs use the trained tiny video model shipped in the packag
 against its SHA-256 sums by `mmkv.assets.trained_video_assets`; docs/training.md) at its own size, 64 x 96 px and 81
 frames, prompted with captions of held-out procedural scenes (`scenes.held_out_seeds`), so the report also scores
 prompt adherence and scene consistency. Without shipped weights, or with `--random`, it runs the tiny random models
-below. The audio models are random either way. A trained rollout costs ~15 random ones, so the trained plan runs
-every codec (QVG and TCQ too) on one CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two
-cores before TCQ joined (its torch Viterbi encoder, ~1 ms a 128-vector on one core, adds to that; not yet timed).
+below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec (QVG and TCQ too) on one
+CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two cores before TCQ joined (its torch
+Viterbi encoder, ~1 ms a 128-vector on one core, adds to that; not yet timed).
+
+The audio half likewise uses the trained tiny audio models shipped in the package (`mmkv/assets/audio/`, the release
+`mmkv ship audio` writes, checked by `mmkv.assets.trained_audio_assets`) when they are installed and --random is not
+given: `mmkv compare audio` reads them through its own default (no --aar), on held-out procedural clips
+(`sounds.held_out_seeds`, rendered at the models' rate and clip length) whose captions lie beside them, so the report
+scores audio adherence too. With `mmkv train audio`'s `tiny` models (a depth-4 AAR, 1.2-1.4 s a rollout on one core)
+and the random video models, the full demo took 175 s, `compare audio` 52 s of it, on two busy shared cores. Without
+them, or with --random, the audio half runs the tiny random models on the synthetic clips below.
 Trained and random demos go to separate default folders (runs/demo, runs/demo-random); one folder never mixes them.
 
 1. Writes tiny randomly initialised checkpoints of the real architectures, in their original release formats, to
@@ -27,7 +35,9 @@ Trained and random demos go to separate default folders (runs/demo, runs/demo-ra
 Every step goes through `mmkv.cli.main`, exactly as typed on the command line (each command's output is kept in
 OUT/logs/). A rerun resumes: assets are written once, finished rollouts are skipped, cached metrics are reused.
 In trained mode, step 1 writes only the audio assets and the prompt file; the video runs read the shipped weights in
-place.
+place. With shipped audio models, step 1 writes the held-out clips (and their captions) only, and `demo.json` records
+the audio release (`audio_weights`: its SHA256SUMS' SHA-256), so a folder of one set of audio weights never takes runs
+of another or of the random ones.
 """
 
 from __future__ import annotations
@@ -215,18 +225,57 @@ def held_out_captions(n: int) -> list[str]:
     return [scenes.caption(scenes.sample_scene(s)) for s in scenes.held_out_seeds(n)]
 
 
-def _identity(plan: Plan, seed: int, trained: dict[str, Any] | None) -> dict[str, Any]:
-    """What one demo folder is made of. `video_weights` names the shipped weights by their sums' SHA-256, so a
+def _identity(plan: Plan, seed: int, trained: dict[str, Any] | None,
+              audio: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What one demo folder is made of. `video_weights` (and `audio_weights`, present only with shipped audio
+    models, so a random folder's files stay as they were) name the shipped weights by their sums' SHA-256, so a
     folder of one trained release never takes runs of another (nor of the random models)."""
-    return {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed,
-            "video_weights": trained["sums_sha256"] if trained else "random"}
+    identity = {"version": DEMO_VERSION, "mode": plan.mode, "seed": seed,
+                "video_weights": trained["sums_sha256"] if trained else "random"}
+    if audio:
+        identity["audio_weights"] = audio["sums_sha256"]
+    return identity
+
+
+def _same_identity(have: Any, want: dict[str, Any]) -> bool:
+    """`have` (a stored identity) is `want`; a missing `audio_weights` means the random audio models."""
+    return isinstance(have, dict) and all(have.get(k) == want.get(k) for k in {*want, "audio_weights"})
+
+
+def held_out_sounds(n: int, sample_rate: int, samples: int) -> list[tuple[str, np.ndarray, str]]:
+    """(name, samples [samples] float32, caption) of the first n held-out procedural sounds
+    (`sounds.held_out_seeds`, never trained on), rendered at the audio models' rate and clip length."""
+    from mmkv.pipelines.aar import sounds
+
+    seeds = sounds.held_out_seeds(n)
+    drawn = [sounds.sample_sound(seed) for seed in seeds]
+    waves = sounds.render(drawn, sample_rate, samples / sample_rate).numpy()
+    return [(f"heldout_{seed}", wave, sounds.caption(sound)) for seed, sound, wave in zip(seeds, drawn, waves)]
+
+
+def write_held_out_clips(directory: Path, n: int, models: dict[str, Any]) -> list[str]:
+    """The held-out sounds as float WAVs at the rate of the shipped models (`mmkv.assets.trained_audio_assets`),
+    each with its caption beside it (`<stem>.txt`, which `mmkv compare audio` records for the report's adherence
+    score); the paths of the WAVs."""
+    from mmkv.pipelines.aar.conditioning import CAPTION_SUFFIX
+    from mmkv.pipelines.aar.loaders import load_models
+    from mmkv.pipelines.common import atomic_save_wav, atomic_write_text
+
+    _, sat, _ = load_models(models["aar"])
+    paths = []
+    for name, wave, caption in held_out_sounds(n, sat.config.sample_rate, sat.config.num_samples):
+        atomic_write_text(directory / f"{name}{CAPTION_SUFFIX}", caption + "\n")
+        paths.append(str(atomic_save_wav(directory / f"{name}.wav", wave, sat.config.sample_rate)))
+    return paths
 
 
 def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path | None,
-                 trained: dict[str, Any] | None = None) -> dict[str, Any]:
+                 trained: dict[str, Any] | None = None, audio: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write every input of the demo under `root` (skipped when root/assets.json says it is complete) and return
     the paths, as written to assets.json (last, atomically). With `trained` (`mmkv.assets.trained_video_assets`),
-    the video entries point at the shipped weights and the prompts are held-out scene captions."""
+    the video entries point at the shipped weights and the prompts are held-out scene captions; with `audio`
+    (`mmkv.assets.trained_audio_assets`), the audio entries point at the shipped models and the clips are held-out
+    procedural sounds with their captions."""
     import soundfile as sf
 
     from mmkv.pipelines.aar.tiny import write_tiny_checkpoints
@@ -234,10 +283,10 @@ def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path | N
     from mmkv.pipelines.wan.tiny import write_tiny_assets
 
     marker = root / "assets.json"
-    identity = _identity(plan, seed, trained)
+    identity = _identity(plan, seed, trained, audio)
     if marker.is_file():
         done = read_json(marker)
-        if {k: done.get(k) for k in identity} == identity and all(Path(p).exists() for p in _paths(done)):
+        if _same_identity(done, identity) and all(Path(p).exists() for p in _paths(done)):
             return done
     if trained:
         prompts, source = held_out_captions(plan.prompts), f"scenes.held_out_seeds({plan.prompts})"
@@ -249,19 +298,28 @@ def write_assets(root: Path, plan: Plan, seed: int, prompts_file: str | Path | N
         tiny = write_tiny_assets(root / "wan", layout="original", seed=seed, kv_sensitive=True)
         video = {"wan_base": str(tiny["base"]), "causvid": str(tiny["causvid"]),
                  "causal_forcing": str(tiny["causal_forcing"])}
-    aar, sat = write_tiny_checkpoints(root / "aar", plan.audio_model, seed=seed)
-    clap = write_tiny_clap(root / "clap", seed)
     clips_dir = root / "clips"
-    clips = []
-    for name, samples, sr in synthetic_clips(seed, plan.clips):
-        path = clips_dir / f"{name}.wav"
-        with atomic_path(path) as tmp:
-            sf.write(str(tmp), samples, sr, subtype="PCM_16", format="WAV")
-        clips.append(str(path))
+    if audio:
+        from mmkv.pipelines.aar.loaders import find_checkpoints
+
+        aar, sat = find_checkpoints(audio["aar"])
+        clap = audio["clap"]
+        clips = write_held_out_clips(clips_dir, plan.clips, audio)
+    else:
+        aar, sat = write_tiny_checkpoints(root / "aar", plan.audio_model, seed=seed)
+        clap = write_tiny_clap(root / "clap", seed)
+        clips = []
+        for name, samples, sr in synthetic_clips(seed, plan.clips):
+            path = clips_dir / f"{name}.wav"
+            with atomic_path(path) as tmp:
+                sf.write(str(tmp), samples, sr, subtype="PCM_16", format="WAV")
+            clips.append(str(path))
     prompt_path = atomic_write_text(root / "prompts.txt", "".join(p + "\n" for p in prompts))
     assets = {**identity, "prompts_source": source, "prompts": str(prompt_path), **video,
               "aar_dir": str(aar.parent), "aar": str(aar), "sat": str(sat), "clap": str(clap),
               "clips_dir": str(clips_dir), "clips": clips}
+    if audio:
+        assets["clips_source"] = f"sounds.held_out_seeds({plan.clips})"
     atomic_write_json(marker, assets)
     return assets
 
@@ -303,15 +361,14 @@ def _lpips_mode(choice: str) -> str:
 
 
 def _check_identity(out: Path, want: dict[str, Any]) -> None:
-    """One demo folder holds one (mode, seed, video weights): resuming with other settings would mix incomparable
-    runs (trained and random ones among them)."""
+    """One demo folder holds one (mode, seed, video weights, audio weights): resuming with other settings would mix
+    incomparable runs (trained and random ones among them)."""
     from mmkv.pipelines.common import atomic_write_json, read_json
 
     path = out / "demo.json"
     if path.is_file():
         have = read_json(path)
-        have = {k: have.get(k) for k in want} if isinstance(have, dict) else have
-        if have != want:
+        if not _same_identity(have, want):
             raise UsageError(f"{out} holds a demo made with {have}; this command asks for {want}. Use another --out "
                              "(or the same options to resume)")
     else:
@@ -376,21 +433,38 @@ def _choose_models(args: argparse.Namespace) -> dict[str, Any] | None:
     return trained
 
 
+def _choose_audio_models(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The shipped trained audio models unless --random or none is installed; a broken install fails here
+    (`mmkv.assets.AssetError`, one line naming the file)."""
+    from mmkv.assets import trained_audio_assets
+
+    return None if args.random else trained_audio_assets()
+
+
 def _run(args: argparse.Namespace) -> int:
     from mmkv.pipelines.common import check_out_dir, parse_device
 
     trained = _choose_models(args)
+    audio = _choose_audio_models(args)
     size_name = "quick" if args.quick else "full"
     plan = PLANS[f"trained-{size_name}" if trained else size_name]
     out = check_out_dir(args.out or (DEFAULT_OUT if trained else DEFAULT_OUT_RANDOM))  # also: read-only, under a file
     parse_device(args.device)  # a device this machine lacks fails here, not inside the first step
     out.mkdir(parents=True, exist_ok=True)
-    _check_identity(out, _identity(plan, args.seed, trained))
+    _check_identity(out, _identity(plan, args.seed, trained, audio))
     with _keep_freed_memory(enabled=trained is not None):
-        return _render(args, plan, trained, out)
+        return _render(args, plan, trained, out, audio)
 
 
-def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None, out: Path) -> int:
+def _models_line(trained: bool, audio: bool) -> str:
+    if not audio:
+        return "the trained tiny video model, random audio models" if trained else "tiny random models"
+    return ("the trained tiny video and audio models" if trained
+            else "tiny random video models, the trained tiny audio models")
+
+
+def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None, out: Path,
+            audio: dict[str, Any] | None = None) -> int:
     from mmkv.pipelines.wan.tiny import TINY_VIDEO
 
     lpips = _lpips_mode(args.lpips)
@@ -401,12 +475,12 @@ def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None
     # bytes unchanged; docs/decisions.md): 0.4 s less a CausVid rollout, 3 s less a frame-wise one.
     reuse = ["--reuse-decoded"] if trained else []
     t_start = time.perf_counter()
-    what = "the trained tiny video model, random audio models" if trained else "tiny random models"
+    what = _models_line(trained is not None, audio is not None)
     n_codecs = len(set().union(plan.codecs, *(plan.video_codecs(vm) for vm in plan.video)))
     print(f"mmkv demo ({plan.mode}): {what}, reference + {n_codecs} codecs, into {out}/", flush=True)
 
     t0 = time.perf_counter()
-    assets = write_assets(out / "assets", plan, args.seed, args.prompts, trained)
+    assets = write_assets(out / "assets", plan, args.seed, args.prompts, trained, audio)
     print(f"  {'assets':<46} {time.perf_counter() - t0:6.1f} s   ({out / 'assets'})", flush=True)
 
     video_runs = []
@@ -423,7 +497,9 @@ def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None
         video_runs.append(run_dir)
     codecs = ",".join(plan.codecs)
     audio_run = out / "runs" / "audio"
-    _mmkv(["compare", "audio", "--aar", assets["aar_dir"], "--clap", assets["clap"], "--clips", assets["clips_dir"],
+    # Shipped audio models: compare audio's own default (no --aar / --clap) reads and checks them.
+    models = [] if audio else ["--aar", assets["aar_dir"], "--clap", assets["clap"]]
+    _mmkv(["compare", "audio", *models, "--clips", assets["clips_dir"],
            "--codecs", codecs, "--seed", str(args.seed), "--out", str(audio_run), *device],
           logs / "compare_audio.log", step="compare audio")
     runs = [str(r) for r in [*video_runs, audio_run]]
@@ -441,7 +517,7 @@ def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None
         headlines.append(_strip_log_header(log.read_text(encoding="utf-8")))
     total = time.perf_counter() - t_start
 
-    print(_where(out, video_runs, audio_run, report, lpips, total, trained is not None))
+    print(_where(out, video_runs, audio_run, report, lpips, total, trained is not None, audio))
     for text in headlines:
         print(text.rstrip() + "\n")
     return 0
@@ -452,9 +528,16 @@ def _strip_log_header(text: str) -> str:
 
 
 def _where(out: Path, video_runs: list[Path], audio_run: Path, report: Path, lpips: str, total: float,
-           trained: bool) -> str:
+           trained: bool, audio: dict[str, Any] | None = None) -> str:
     plots = sorted((report / "plots").glob("*.png"))
-    if trained:
+    if audio:
+        video_note = "the trained TINY model on held-out captions" if trained else "tiny RANDOM models"
+        assets_note = (("held-out captions" if trained else "tiny random video checkpoints, prompts")
+                       + "; held-out procedural clips with captions; the trained models are read in place")
+        caveat = (f"Video: {video_note}; audio: the trained TINY models of {audio['root']} (SHA256SUMS "
+                  f"{audio['sums_sha256'][:12]}) on held-out procedural clips (adherence is scored). The numbers "
+                  "show the harness works, not how a codec behaves on the real models.")
+    elif trained:
         assets_note = "random audio checkpoints, CLAP, clips, held-out captions; the video model is read in place"
         caveat = ("Video: the trained TINY model on held-out captions (adherence is scored); audio: tiny RANDOM "
                   "models. The numbers show the harness works, not how a codec behaves on the real models.")

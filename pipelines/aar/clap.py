@@ -263,7 +263,9 @@ class ClapEmbedder:
             raise ClipError(f"CLAP directory {d} must hold a transformers ClapModel (config.json + weights), e.g. a "
                             f"local copy of laion/larger_clap_general")
         self.directory, self.device, self.dim = d, torch.device(device), dim
-        self.model = ClapModel.from_pretrained(str(d), local_files_only=True).to(self.device).eval()
+        # fp32 whatever the folder stores (a bf16 release included), as the AAR / SAT loaders do
+        self.model = ClapModel.from_pretrained(str(d), local_files_only=True, dtype=torch.float32)
+        self.model = self.model.to(self.device).eval()
         self.features = ClapFeatureExtractor.from_pretrained(str(d), local_files_only=True)
         if self.features.sampling_rate != CLAP_SAMPLE_RATE:
             raise ClipError(f"CLAP directory {d}: feature extractor expects {self.features.sampling_rate} Hz; AAR's "

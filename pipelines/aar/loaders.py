@@ -6,6 +6,15 @@ AAR and `['generator_state_dict']` for SAT, keys possibly prefixed `module.` (sa
 (`read_checkpoint_file`): numpy scalars and an `argparse.Namespace` beside the weights are read as data; any other
 pickled object is refused, naming it.
 
+Releases (`mmkv ship audio`, `mmkv.pipelines.aar.release`) leave out state that inference never reads
+(`release_drops`): AAR's block-causal training mask `attn_bias_for_masking` (a function of `lvl_1L`; the cached
+rollout passes no mask), the SAT codebooks' EMA k-means state `cluster_size` / `embed_avg` (only training updates
+them; lookup reads `embed`) and the SAT's SEANet encoder (a rollout decodes tokens; only training encodes clips).
+When such state is absent, `fill_dropped` rebuilds the buffers before the strict load (the mask exactly, the EMA
+state as `SAT.init_weights` starts it: `embed_avg = embed`, counts 1), the SAT's architecture is read off its decoder,
+and its encoder is `EncoderLeftOut`, which raises if called. A full checkpoint loads as before; any other missing key
+is still an error.
+
 Weight norm: the model keeps the legacy `weight_g` / `weight_v` names; files written with the modern
 parametrization (`parametrizations.weight.original0/1`) or with folded `weight`s are mapped onto them.
 
@@ -33,6 +42,9 @@ AAR_RELEASED_NAME = "AAR_d16_bs2048.pth"
 SAT_RELEASED_NAME = "SAT_d128_lat128.pth"
 CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors")
 _PREFIXES = ("module.", "_orig_mod.")
+# What a release may leave out, per model (see the module docstring): key suffixes, and the SAT encoder's prefix.
+DROPPED_SUFFIXES = {"AAR": ("attn_bias_for_masking",), "SAT": ("._codebook.cluster_size", "._codebook.embed_avg")}
+SAT_ENCODER = "encoder."
 
 
 class CheckpointError(ValueError):
@@ -134,29 +146,70 @@ def infer_sat_config(sd: dict[str, torch.Tensor], multi_scale: tuple[int, ...], 
     embed = _need(sd, "quantizer.vq.layers.0._codebook.embed", "SAT", path)
     phis = sorted({int(m.group(1)) for k in sd if (m := re.match(r"quantizer\.vq\.quant_resi\.qresi_ls\.(\d+)\.", k))})
     phi_kernel = tuple(int(sd[f"quantizer.vq.quant_resi.qresi_ls.{i}.weight"].shape[-1]) for i in phis)
-    first = _need(sd, "encoder.model.0.conv.conv.weight_v", "SAT", path)
+    part = "encoder" if any(k.startswith(SAT_ENCODER) for k in sd) else "decoder"  # a release ships no encoder
+    first = _need(sd, f"{part}.model.0.conv.conv.weight_v", "SAT", path)
     convtr = sorted(
         {int(m.group(1)) for k in sd if (m := re.match(r"decoder\.model\.(\d+)\.convtr\.convtr\.weight_v$", k))}
     )
     ratios = tuple(int(sd[f"decoder.model.{i}.convtr.convtr.weight_v"].shape[-1]) // 2 for i in convtr)
-    n_res = sum(1 for k in sd if re.match(r"encoder\.model\.\d+\.shortcut\.conv\.conv\.weight_v$", k))
-    lstm = sum(1 for k in sd if re.match(r"encoder\.model\.\d+\.lstm\.weight_ih_l\d+$", k))
-    enc_out = [k for k in sd if re.match(r"encoder\.model\.\d+\.conv\.conv\.weight_v$", k)]
-    last = max(enc_out, key=lambda k: int(k.split(".")[2]))
+    n_res = sum(1 for k in sd if re.match(rf"{part}\.model\.\d+\.shortcut\.conv\.conv\.weight_v$", k))
+    lstm = sum(1 for k in sd if re.match(rf"{part}\.model\.\d+\.lstm\.weight_ih_l\d+$", k))
+    convs = sorted((k for k in sd if re.match(rf"{part}\.model\.\d+\.conv\.conv\.weight_v$", k)),
+                   key=lambda k: int(k.split(".")[2]))
+    last = sd[convs[-1]]
+    if part == "encoder":  # first conv [n_filters, channels, 7], last [dimension, ...]
+        n_filters, channels, dimension = int(first.shape[0]), int(first.shape[1]), int(last.shape[0])
+    else:  # the decoder's first conv [..., dimension, 7], last [channels, n_filters, 7]
+        n_filters, channels, dimension = int(last.shape[1]), int(last.shape[0]), int(first.shape[1])
     if not ratios or n_res % len(ratios):
         raise CheckpointError(f"SAT checkpoint {path}: cannot read the SEANet layout (ratios {ratios}, {n_res} res blocks)")
     return SATConfig(
         multi_scale=tuple(multi_scale),
         phi_kernel=phi_kernel,
-        dimension=int(sd[last].shape[0]),
+        dimension=dimension,
         latent_dim=int(embed.shape[1]),
         ratios=ratios,
         n_residual_layers=n_res // len(ratios),
         lstm=lstm,
-        n_filters=int(first.shape[0]),
-        channels=int(first.shape[1]),
+        n_filters=n_filters,
+        channels=channels,
         bins=int(embed.shape[0]),
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State a release drops
+
+
+def release_drops(key: str, what: str) -> bool:
+    """Whether a release of the `what` ("AAR" or "SAT") model leaves out the state dict entry `key`."""
+    return key.endswith(DROPPED_SUFFIXES[what]) or (what == "SAT" and key.startswith(SAT_ENCODER))
+
+
+class EncoderLeftOut(torch.nn.Module):
+    """The SEANet encoder of a SAT release that ships without it: inference only decodes, so calling it is an error."""
+
+    def __init__(self, path: Any):
+        super().__init__()
+        self.path = str(path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise CheckpointError(f"SAT checkpoint {self.path} is a release without its encoder (rollouts only decode); "
+                              "encoding clips (training, --init) needs the full SAT checkpoint")
+
+
+def fill_dropped(sd: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    """`sd` with the RELEASE_DROPPED keys it lacks rebuilt (a full checkpoint comes back unchanged)."""
+    out = dict(sd)
+    if what == "AAR" and "attn_bias_for_masking" not in out and "lvl_1L" in out:
+        d = out["lvl_1L"].reshape(1, -1, 1)  # the mask of AAR.__init__, from the level of every token
+        out["attn_bias_for_masking"] = torch.where(d >= d.transpose(1, 2), 0.0, -torch.inf).unsqueeze(1)
+    if what == "SAT":
+        for key in [k for k in out if k.endswith("._codebook.embed")]:
+            stem = key[: -len("embed")]
+            out.setdefault(stem + "embed_avg", out[key].clone())
+            out.setdefault(stem + "cluster_size", torch.ones(out[key].shape[0], dtype=out[key].dtype))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,7 +248,7 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str, 
 
 def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *,
              device: torch.device | str = "cpu") -> AAR:
-    sd = read_state_dict(path, AAR_CONTAINER_KEY)
+    sd = fill_dropped(read_state_dict(path, AAR_CONTAINER_KEY), "AAR")
     cfg = config or infer_aar_config(sd, path)
     model = build_aar(cfg, "meta")
     load_strict(model, sd, "AAR", path)
@@ -204,12 +257,14 @@ def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *,
 
 def load_sat(path: str | os.PathLike, config: SATConfig | None = None, *, multi_scale: tuple[int, ...] | None = None,
              device: torch.device | str = "cpu") -> SAT:
-    sd = read_state_dict(path, SAT_CONTAINER_KEY)
+    sd = fill_dropped(read_state_dict(path, SAT_CONTAINER_KEY), "SAT")
     if config is None:
         if multi_scale is None:
             raise CheckpointError(f"SAT checkpoint {path}: the scale schedule is not stored in the SAT; pass the AAR's")
         config = infer_sat_config(map_weight_norm_keys(sd, _sat_keys_hint(sd)), multi_scale, path)
     model = build_sat(config, "meta")
+    if not any(k.startswith(SAT_ENCODER) for k in sd):
+        model.encoder = EncoderLeftOut(path)
     load_strict(model, sd, "SAT", path)
     return model.to(device).eval().requires_grad_(False)
 
