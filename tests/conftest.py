@@ -28,6 +28,27 @@ def one_thread():
     yield
     torch.set_num_threads(old)
 
+@pytest.fixture(scope="module")
+def interpreter_scalar_index():
+    """Triton 3.6's interpreter turns kernel scalars into 1-element arrays and loops over them with int(array), which
+    numpy >= 2.4 refuses ('only 0-dimensional arrays ...'); read the one element instead (test-only shim, for the
+    interpreter modules whose kernels loop over a scalar bound: `pytest.mark.usefixtures`)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4):
+        yield
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched
+    yield
+    interpreter._patch_lang_tensor = original
+
 
 @pytest.fixture(scope="module")
 def dit():

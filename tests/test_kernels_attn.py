@@ -11,7 +11,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the
 import argparse  # noqa: E402
 import time  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -26,24 +25,8 @@ from mmkv.kernels import attention_kernel  # noqa: E402
 from mmkv.kernels import attn_splitk  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_scalar_index():
-    """Triton 3.6's interpreter turns kernel scalars into 1-element arrays and loops over them with int(array), which
-    numpy >= 2.4 refuses ('only 0-dimensional arrays ...'); read the one element instead (test-only shim)."""
-    from triton.runtime import interpreter
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4):
-        yield
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
+# Triton 3.6's interpreter under numpy >= 2.4 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
 # The rollout presets with a fused kernel, with every code-reading path: half-word units at 2/4/8 bits, byte chunks

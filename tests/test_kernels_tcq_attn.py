@@ -12,7 +12,6 @@ import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels then run on CPU tensors
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -26,24 +25,8 @@ from mmkv.codecs.base import build, kv_configs  # noqa: E402
 from mmkv.kernels import attention_kernel, attn_splitk, dispatch  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_scalar_index():
-    """The numpy >= 2.4 shim of test_kernels_attn.py: Triton 3.6's interpreter loops over 1-element arrays with
-    int(array), which numpy >= 2.4 refuses; read the one element instead (test-only)."""
-    from triton.runtime import interpreter
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4):
-        yield
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patched
-    yield
-    interpreter._patch_lang_tensor = original
+# Triton 3.6's interpreter under numpy >= 2.4 (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
 @functools.lru_cache(maxsize=None)
