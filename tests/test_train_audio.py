@@ -83,6 +83,7 @@ def test_train_json_reports_the_held_out_scores(stages):
     assert [u["tokens"] for u in held["codebook_usage"]] == list(CFG.sat["multi_scale"])
     assert all(1 <= u["used"] <= u["of"] == CFG.sat["bins"] for u in held["codebook_usage"])
     assert held["usage_clips"] == 12
+    assert held["adherence"]["originals"]["clips"] == held["adherence"]["reconstructions"]["clips"] == held["clips"]
     aar = rec["aar"]["heldout"]
     assert len(aar["ce_cond_per_scale"]) == len(CFG.sat["multi_scale"]) and aar["ce_cond"] > 0
     assert aar["rollouts"]["clips"] == CFG.eval_rollouts and aar["rollouts"]["finite"]
@@ -272,3 +273,17 @@ def test_set_overrides_config_fields_with_their_types_and_names_bad_ones():
                        ("sat_lr=fast", "sat_lr takes a float")]:
         with pytest.raises(ValueError, match=words):
             parse_overrides(CFG, [bad])
+
+
+def test_sat_adherence_ceiling_scores_originals_fully_and_silence_not():
+    """evaluate_sat's `adherence` (what an AAR over the SAT's tokens can reach at best) on rendered held-out clips
+    is 1 on the originals and drops when the waveform is lost."""
+    from mmkv.pipelines.aar.sat_training import adherence_summary
+
+    held = [sounds.sample_sound(s) for s in sounds.held_out_seeds(8)]
+    waves = sounds.render(held).numpy()
+    full = adherence_summary(waves, held, sounds.SAMPLE_RATE)
+    assert full["clips"] == 8 and full["adherence"] == 1.0 and full["found"] == 8
+    noisy = adherence_summary(np.random.default_rng(0).normal(0, 0.1, waves.shape).astype(np.float32), held,
+                              sounds.SAMPLE_RATE)
+    assert noisy["adherence"] is None or noisy["adherence"] < 0.6

@@ -233,4 +233,22 @@ def evaluate_sat(sat: SAT, cfg: AudioTrainConfig, device: torch.device) -> dict[
             "si_snr_clips": len(si),
             "si_snr_db_by_kind": {k: round(float(np.mean(v)), 3) for k, v in sorted(by_kind.items())},
             "log_mel_l1": round(float(np.mean(mel_l1)), 4), "usage_clips": max(len(held), cfg.sat_usage_clips),
-            "codebook_usage": usage}
+            "codebook_usage": usage,
+            "adherence": {"reconstructions": adherence_summary(recon_all.numpy(), held, cfg.sample_rate),
+                          "originals": adherence_summary(ref.numpy(), held, cfg.sample_rate)}}
+
+
+def adherence_summary(waves: np.ndarray, held: list[sounds.Sound], sample_rate: int) -> dict[str, Any]:
+    """`score_audio` of clips [N, samples] against their sounds' named attributes: the mean adherence and the share
+    right per attribute. On a SAT's reconstructions it is the ceiling an AAR over its tokens can reach."""
+    from mmkv.metrics.audio_adherence import OK_FIELDS, score_audio
+
+    scores = [score_audio(waves[i], sample_rate, s.named, sounds.TABLES) for i, s in enumerate(held)]
+    per_attr = {}
+    for attr, ok_field in OK_FIELDS.items():
+        oks = [sc[ok_field] for sc in scores if sc[ok_field] is not None]
+        if oks:
+            per_attr[attr] = {"ok": round(float(np.mean(oks)), 4), "clips": len(oks)}
+    values = [sc["adherence"] for sc in scores if sc["adherence"] is not None]
+    return {"clips": len(held), "found": sum(bool(sc["found"]) for sc in scores),
+            "adherence": round(float(np.mean(values)), 4) if values else None, "per_attribute": per_attr}

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -423,20 +422,11 @@ def evaluate_aar(aar: AAR, sat: SAT, clap_model, extractor, cfg: AudioTrainConfi
 def rollout_adherence(aar: AAR, sat: SAT, conds: torch.Tensor, held: list[sounds.Sound], cfg: AudioTrainConfig,
                       seed: int) -> dict[str, Any]:
     """One rollout per held-out clip (native cache, the pipeline's sampling), scored against the clip's caption."""
-    from mmkv.metrics.audio_adherence import OK_FIELDS, score_audio
     from mmkv.pipelines.aar.sample import rollout
+    from mmkv.pipelines.aar.sat_training import adherence_summary
 
     out = rollout(aar, sat, conds, seed=seed, key="train-heldout")
-    scores = [score_audio(out.audio[i, 0].numpy(), cfg.sample_rate, s.named, sounds.TABLES)
-              for i, s in enumerate(held)]
-    per_attr = {}
-    for attr, ok_field in OK_FIELDS.items():
-        oks = [sc[ok_field] for sc in scores if sc[ok_field] is not None]
-        if oks:
-            per_attr[attr] = {"ok": round(float(np.mean(oks)), 4), "clips": len(oks)}
-    values = [sc["adherence"] for sc in scores if sc["adherence"] is not None]
-    return {"clips": len(held), "found": sum(bool(sc["found"]) for sc in scores),
-            "adherence": round(float(np.mean(values)), 4) if values else None, "per_attribute": per_attr,
+    return {**adherence_summary(out.audio[:, 0].numpy(), held, cfg.sample_rate),
             "finite": bool(torch.isfinite(out.audio).all())}
 
 
