@@ -138,6 +138,9 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
                                                                 ("random DiT", False)]
     assert all(r["summary"]["clips"] == 2 and len(r["clips"]) == 2 for r in rec["runs"])
     assert rec["held_out_seeds"][0] >= 10_000_000 and "vae_held_out_psnr_db" in rec
+    vae = rec["vae_held_out"]
+    assert vae["clips"] == 1 and vae["psnr_db"] == rec["vae_held_out_psnr_db"]
+    assert vae["object_psnr_db"] is not None and vae["detector"]["clips"] == 1
     # the no-past control really removes the past: same noise, other frames after block 1
     comps = load_wan(root / "causvid", root / "base", device="cpu")
     prompts = [(s, "a small red circle moving left slowly") for s in (10_000_000,)]
