@@ -187,6 +187,10 @@ class SplitKAttention:
     def warps(self, seg) -> int:
         return self.num_warps or self.default_warps
 
+    # Values accumulated in a rotated domain, turned back once per call by `finish` with the first segment's V codec:
+    # every segment's values must then rotate alike (codecs of one config, layer and seed share their rotation).
+    rotated_values = False
+
     def finish(self, out: torch.Tensor, seg) -> torch.Tensor:
         return out
 
@@ -202,6 +206,8 @@ class SplitKAttention:
             for seg in segments:
                 self._check_common(q, seg)
                 self.check(q, seg)
+                if self.rotated_values and not _same_rotation(seg.v_codec, segments[0].v_codec):
+                    raise KernelUnsupported("the segments' values rotate differently: one rotation back cannot serve")
         except KernelUnsupported:
             self.last_path = "reference"
             return reference_lse(q, segments, scale)
@@ -241,6 +247,12 @@ class SplitKAttention:
             raise KernelUnsupported(f"head dim {d} is not a power of two >= 16")
         if str(seg.k_codec.config) != str(self.k_config) or str(seg.v_codec.config) != str(self.v_config):
             raise KernelUnsupported("segment codecs differ from the kernel's configs")
+
+
+def _same_rotation(a, b) -> bool:
+    """Whether two codecs of one config (`_check_common`) rotate alike: a seeded rotation is drawn from (layer, seed,
+    heads); for a fixed one (OScaR's Hadamard) the test is conservative, and a cache's segments share one codec."""
+    return a is b or (a.layer, a.seed, a.num_heads) == (b.layer, b.seed, b.num_heads)
 
 
 def use_asm() -> bool:

@@ -19,6 +19,7 @@ class OscarAttention(KiviAttention):
 
     name = "oscar"
     has_norm = True
+    rotated_values = True
 
     def prepare(self, q: torch.Tensor, seg) -> torch.Tensor:
         return apply_rotation(q, rotation_matrix(seg.k_codec, "rotate_query", q.device), seg.k_enc.shape[1])

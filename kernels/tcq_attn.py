@@ -31,7 +31,6 @@ from mmkv.kernels.attn_splitk import (
     launch_grid,
     lookup,
     query_row,
-    reference_lse,
     rotation_matrix,
     softmax_step,
     split_tiles,
@@ -163,15 +162,7 @@ class TCQAttention(SplitKAttention):
 
     def __init__(self, k_config, v_config, **kw):
         super().__init__(k_config, v_config, **kw)
-        self.rotated_values = v_config.name == "tcq"
-
-    def __call__(self, q: torch.Tensor, segments, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # Rotated values of every segment are summed before one rotation back: they must share the V rotation.
-        live = [s for s in segments if s.encoded and s.num_tokens > 0]
-        if self.rotated_values and any(not _same_rotation(s.v_codec, live[0].v_codec) for s in live):
-            self.last_path = "reference"
-            return reference_lse(q, live, scale)
-        return super().__call__(q, segments, scale)
+        self.rotated_values = v_config.name == "tcq"  # summed rotated, turned back once (`finish`)
 
     def check(self, q: torch.Tensor, seg) -> None:
         d = seg.k_enc.shape[-1]
@@ -221,10 +212,6 @@ class TCQAttention(SplitKAttention):
             KK=k_c["K"], KHI=k_c["HI"], KL=k_c["L"], KJ=k_c["J"], VTCQ=self.rotated_values,
             STAGES=self.stages, ASM=use_asm(), num_warps=self.warps(seg), **v_c,
         )
-
-
-def _same_rotation(a, b) -> bool:
-    return a is b or torch.equal(a.rotation.signs, b.rotation.signs)
 
 
 def attention_kernel(k_config, v_config) -> TCQAttention | None:

@@ -133,6 +133,20 @@ def test_unsupported_parameters_fall_back_exactly():
     assert rel(out, attn_splitk.reference_lse(q, segs, 0.2)[0]) == 0.0
 
 
+def test_rotated_values_of_other_codecs_fall_back_exactly():
+    """OScaR's values are turned back once with the first segment's V codec: a segment from a codec that may rotate
+    otherwise (another seed) takes the exact path, and segments of one codec stay fused."""
+    kernel, q, segs = setup("oscar:bits=2,group=32", lengths=(40, 21), seed=12)
+    kernel(q, segs, 0.2)
+    assert kernel.last_path == "fused"
+    other = build(segs[1].v_codec.config, head_dim=64, num_heads=2, seed=99)
+    segs[1] = Segment(k_enc=segs[1].k_enc, v_enc=other.encode(torch.randn(1, 2, 21, 64)), k_codec=segs[1].k_codec,
+                      v_codec=other, skip_tokens=segs[1].skip_tokens)
+    out, _ = kernel(q, segs, 0.2)
+    assert kernel.last_path == "reference"
+    assert rel(out, attn_splitk.reference_lse(q, segs, 0.2)[0]) == 0.0
+
+
 def test_dispatch_names_kernels_only_for_covered_pairs(monkeypatch):
     for preset in ("kivi:bits=4", "oscar:bits=2", "turboquant-mse:b=4", "octopus:b=3"):
         assert attention_kernel(*kv_configs(preset, 32)) is not None, preset
