@@ -7,8 +7,10 @@ against its SHA-256 sums by `mmkv.assets.trained_video_assets`; docs/training.md
 frames, prompted with captions of held-out procedural scenes (`scenes.held_out_seeds`), so the report also scores
 prompt adherence and scene consistency. Without shipped weights, or with `--random`, it runs the tiny random models
 below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec (QVG and TCQ too) on one
-CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two cores before TCQ joined (its torch
-Viterbi encoder, ~1 ms a 128-vector on one core, adds to that; not yet timed).
+CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two cores before TCQ joined. With TCQ, and
+the fourth training run's video and audio releases placed in temporary asset folders (not shipped), the whole demo
+took 300 s on two cores, over the 3-minute mark: 219 s of it the CausVid run, 56 s and 44 s of that its two TCQ
+rollouts (the torch Viterbi encoder). Shipping the video model needs the plan cut or run in parallel first.
 
 The audio half likewise uses the trained tiny audio models shipped in the package (`mmkv/assets/audio/`, the release
 `mmkv ship audio` writes, checked by `mmkv.assets.trained_audio_assets`) when they are installed and --random is not

@@ -49,6 +49,32 @@ def interpreter_scalar_index():
     yield
     interpreter._patch_lang_tensor = original
 
+@pytest.fixture
+def through_the_seam(monkeypatch):
+    """run(kernel, q, segments) -> (fused, decoded, codec names the seam asked for): `mmkv.attention.attend` over the
+    encoded segments plus a native window (9 tokens) and a current block (1 token), once with `find_kernel` pinned
+    to `kernel` and once down the decode path."""
+    import mmkv.attention as attn
+    from mmkv.attention import Segment
+
+    def run(kernel, q, segments):
+        b, h, d = q.shape[0], segments[0].k_enc.shape[1], q.shape[-1]
+        gen = torch.Generator().manual_seed(14)
+        native = Segment(k=torch.randn(b, h, 9, d, generator=gen), v=torch.randn(b, h, 9, d, generator=gen))
+        k_cur, v_cur = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
+        used = []
+
+        def find(k_codec, v_codec, device):
+            used.append(k_codec.name)
+            return kernel
+
+        monkeypatch.setattr(attn, "find_kernel", find)
+        fused = attn.attend(q, segments + [native], k_cur, v_cur, backend="auto")
+        decoded = attn.attend(q, segments + [native], k_cur, v_cur, backend="decode")
+        return fused, decoded, used
+
+    return run
+
 
 @pytest.fixture(scope="module")
 def dit():

@@ -157,22 +157,11 @@ def test_dispatch_names_kernels_only_for_covered_pairs(monkeypatch):
     assert attention_kernel(*kv_configs("octopus:b=3", 32)) is None
 
 
-def test_through_the_attention_seam(monkeypatch):
+def test_through_the_attention_seam(through_the_seam):
     """`attend` with the kernel (encoded past through the kernel, native window and current block exactly, merged by
     LSE) equals the decode path."""
     kernel, q, segs = setup("oscar:bits=2,group=32", group=1, seed=13)
-    gen = torch.Generator().manual_seed(14)
-    native = Segment(k=torch.randn(1, 2, 9, 64, generator=gen), v=torch.randn(1, 2, 9, 64, generator=gen))
-    k_cur, v_cur = torch.randn(1, 2, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
-    used = []
-
-    def find(k_codec, v_codec, device):
-        used.append(k_codec.name)
-        return kernel
-
-    monkeypatch.setattr(attn, "find_kernel", find)
-    fused = attn.attend(q, segs + [native], k_cur, v_cur, backend="auto")
-    decoded = attn.attend(q, segs + [native], k_cur, v_cur, backend="decode")
+    fused, decoded, used = through_the_seam(kernel, q, segs)
     assert used == ["oscar"] and kernel.last_path == "fused"
     assert rel(fused, decoded) < 2e-5
 

@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 if os.environ["TRITON_INTERPRET"] != "1":  # tests/conftest.py: compiled kernels (CUDA) run the gpu-marked tests
     pytest.skip("interpreter tests: run with TRITON_INTERPRET=1", allow_module_level=True)
 
-import mmkv.attention as attn  # noqa: E402
 from mmkv.attention import Segment  # noqa: E402
 from mmkv.codecs.base import build, kv_configs  # noqa: E402
 from mmkv.kernels import attention_kernel, attn_splitk, dispatch  # noqa: E402
@@ -134,22 +133,11 @@ def test_dispatch_names_the_kernel_only_for_covered_pairs(monkeypatch):
     assert attention_kernel(*kv_configs("tcq:bits=2", 32)) is None
 
 
-def test_through_the_attention_seam(monkeypatch):
+def test_through_the_attention_seam(through_the_seam):
     """`attend` with the kernel (encoded past fused, native window and current block exactly, merged by LSE) equals
     the decode path."""
     kernel, q, segs = setup("tcq:bits=2,hi=5,L=8", group=1, lengths=(40, 21), seed=13)
-    gen = torch.Generator().manual_seed(14)
-    native = Segment(k=torch.randn(1, 2, 9, 32, generator=gen), v=torch.randn(1, 2, 9, 32, generator=gen))
-    k_cur, v_cur = torch.randn(1, 2, 1, 32, generator=gen), torch.randn(1, 2, 1, 32, generator=gen)
-    used = []
-
-    def find(k_codec, v_codec, device):
-        used.append(k_codec.name)
-        return kernel
-
-    monkeypatch.setattr(attn, "find_kernel", find)
-    fused = attn.attend(q, segs + [native], k_cur, v_cur, backend="auto")
-    decoded = attn.attend(q, segs + [native], k_cur, v_cur, backend="decode")
+    fused, decoded, used = through_the_seam(kernel, q, segs)
     assert used == ["tcq"] and kernel.last_path == "fused"
     assert rel(fused, decoded) < 2e-5
 

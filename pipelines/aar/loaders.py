@@ -199,7 +199,8 @@ class EncoderLeftOut(torch.nn.Module):
 
 
 def fill_dropped(sd: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
-    """`sd` with the RELEASE_DROPPED keys it lacks rebuilt (a full checkpoint comes back unchanged)."""
+    """`sd` with the state a release leaves out (`release_drops`) rebuilt where it is missing (a full checkpoint comes
+    back unchanged; the SAT encoder is not rebuilt: `load_sat` stubs it)."""
     out = dict(sd)
     if what == "AAR" and "attn_bias_for_masking" not in out and "lvl_1L" in out:
         d = out["lvl_1L"].reshape(1, -1, 1)  # the mask of AAR.__init__, from the level of every token
