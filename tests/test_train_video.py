@@ -209,6 +209,41 @@ def test_vae_batches_mix_short_full_size_crops_and_long_windowed_ones():
                                train.vae_batch(cfg, torch.Generator().manual_seed(0), torch.device("cpu")))
 
 
+def test_warm_reconstruct_gives_a_full_clips_frames_and_gradient_only_where_it_scores():
+    """The warm-cache step: the frames after `context` chunks come out as the same frames of a full clip's encode
+    and decode (the caches hold what they would), the scored latents reach the encoder's weights only when they
+    are sampled, and bad context counts are refused."""
+    cfg = train.get_config("micro")
+    vae = train.build_vae(cfg, 0).eval()
+    x, _ = train.render_clips([3, 4], cfg, torch.device("cpu"))
+    with torch.no_grad():
+        full = vae.decode(vae.encode(x).latent_dist.mode()).sample
+        for context in (1, 3):
+            rec, target, kl = train.warm_reconstruct(vae, x, context)
+            start = 1 + 4 * (context - 1)
+            assert rec.shape == target.shape == x[:, :, start:].shape
+            torch.testing.assert_close(target, x[:, :, start:], rtol=0, atol=0)
+            torch.testing.assert_close(rec, full[:, :, start:], rtol=1e-5, atol=1e-5)
+            assert float(kl) == 0.0
+    for noise in (None, torch.Generator().manual_seed(0)):
+        vae.zero_grad(set_to_none=True)
+        rec, target, kl = train.warm_reconstruct(vae, x[:, :, :13], 2, noise_gen=noise)
+        (train.reconstruction_loss(rec, target, 0.0) + kl).backward()
+        enc = [p.grad for p in vae.encoder.parameters()]
+        assert all(g is None for g in enc) == (noise is None)
+        assert all(p.grad is not None for p in vae.decoder.parameters())
+    with pytest.raises(ValueError, match="at least 1 chunk"):
+        train.warm_reconstruct(vae, x, 0)
+    with pytest.raises(ValueError, match="more than 6 chunks"):
+        train.warm_reconstruct(vae, x, 6)
+    with pytest.raises(ValueError, match="leaves no context chunk"):
+        train.vae_warm_batch(train.get_config("micro", vae_warm_chunks=6), torch.Generator(), torch.device("cpu"))
+    x, context = train.vae_warm_batch(train.get_config("micro", vae_warm_context=2), torch.Generator().manual_seed(1),
+                                      torch.device("cpu"))
+    assert context in (1, 2) and x.shape[2] == 1 + 4 * (context + cfg.vae_warm_chunks - 1)
+    assert x.shape[0] == cfg.vae_batch and x.shape[-2:] == (cfg.height, cfg.width)
+
+
 def test_decoder_only_fine_tunes_the_decoder_of_a_release_and_keeps_its_latents(stages, tmp_path):
     """--decoder-only from a dit output (its base/vae): the encoder and the latent statistics the DiT learned on
     are unchanged, the decoder is not; without --init it is refused, and other stages refuse the flag."""

@@ -74,7 +74,8 @@ class VideoTrainConfig:
     # degrade after frame 9 (measured: 33 dB on 9-frame crops, 18 dB on 81-frame clips; docs/training.md). The
     # encoder drifts too, not only the decoder: an encoder trained on 9-frame crops codes frames 17-24 of a full
     # clip 0.8 (mean |delta|, latents of mean magnitude 1.1) away from the same frames coded as a clip of their own,
-    # and the named object is gone from its decoded full clips after frame 12. So the long crops are whole clips.
+    # and the named object is gone from its decoded full clips after frame 12. So the long crops are whole clips;
+    # the `tiny` recipe now reaches that regime through the warm-cache steps below instead (0 whole-clip steps).
     vae_long_share: float
     vae_long_frames: int
     vae_long_size: tuple[int, int]
@@ -108,6 +109,14 @@ class VideoTrainConfig:
     # the only ones with a channel above 0.6 in [-1, 1] (`scenes.COLOURS`; stripes, second object and bar stay
     # below), so the mask comes from the target itself.
     vae_object_weight: float = 0.0
+    # A `vae_warm_share` of the VAE steps trains `vae_warm_chunks` chunks (4 frames each) of a full-size clip with
+    # the encoder's and decoder's causal caches filled, without gradient, by the clip's first 1 to
+    # `vae_warm_context` chunks (truncated back-propagation through time; `warm_reconstruct`). A whole-clip step
+    # back-propagates through 21 chunks of a small window; this one pays a forward pass for the context and a
+    # backward pass only for the frames it scores, so it sees the filled-cache regime at full size and batch.
+    vae_warm_share: float = 0.0
+    vae_warm_chunks: int = 2
+    vae_warm_context: int = 19
     encode_batch: int = 32
     ode_batch: int = 256
 
@@ -132,7 +141,7 @@ CONFIGS: dict[str, VideoTrainConfig] = {
         t5={**_T5, "d_model": 64, "d_ff": 256, "num_layers": 2},
         text_len=16,
         vae_steps=3000, vae_batch=32, vae_frames=9, vae_lr=1e-3, vae_kl=1e-6, vae_stat_clips=256,
-        vae_long_share=0.7, vae_long_frames=81, vae_long_size=(32, 48), vae_long_batch=8,
+        vae_long_share=0.0, vae_long_frames=81, vae_long_size=(32, 48), vae_long_batch=8, vae_warm_share=0.7,
         dit_clips=8192, dit_steps=6000, dit_batch=32, dit_lr=5e-4, ema=0.999, empty_caption=0.1, framewise=0.25,
         shift=5.0,
         ode_clips=3072, ode_steps=48, guidance=2.0, distill_steps=3000, distill_batch=32, distill_lr=1e-4,
@@ -333,6 +342,10 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
     noise_gen = torch.Generator(device=device).manual_seed(seed + 1)
 
     def loss_fn(step: int) -> torch.Tensor:
+        if cfg.vae_warm_share > 0 and float(torch.rand(1, generator=gen)) < cfg.vae_warm_share:
+            x, context = vae_warm_batch(cfg, gen, device)
+            rec, target, kl = warm_reconstruct(vae, x, context, noise_gen=None if decoder_only else noise_gen)
+            return reconstruction_loss(rec.float(), target, cfg.vae_object_weight) + cfg.vae_kl * kl
         x = vae_batch(cfg, gen, device)
         if decoder_only:
             with torch.no_grad():
@@ -375,7 +388,8 @@ def set_latent_stats(vae, cfg: VideoTrainConfig, seed: int, device: torch.device
 
 
 def vae_batch(cfg: VideoTrainConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """One VAE training batch [B, 3, T, H, W] in [-1, 1]: with probability `vae_long_share`, `vae_long_batch` crops
+    """One VAE training batch [B, 3, T, H, W] in [-1, 1] (of the steps that are not warm-cache steps): with
+    probability `vae_long_share`, `vae_long_batch` crops
     of `vae_long_frames` frames and a `vae_long_size` window; else `vae_batch` full-size crops of `vae_frames`.
     Crops start on a chunk boundary (frame 4k), as the encoder's causal chunks do."""
     long = float(torch.rand(1, generator=gen)) < cfg.vae_long_share
@@ -389,6 +403,71 @@ def vae_batch(cfg: VideoTrainConfig, gen: torch.Generator, device: torch.device)
         left = int(torch.randint(0, (cfg.width - w) // 8 + 1, (1,), generator=gen)) * 8
         x = x[..., top:top + h, left:left + w]
     return x
+
+
+def vae_warm_batch(cfg: VideoTrainConfig, gen: torch.Generator,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
+    """A warm-cache batch: `vae_batch` full-size clips cut after `context + vae_warm_chunks` encoder chunks (chunk
+    0 is frame 0, chunk i frames 4i - 3 .. 4i), and the number of context chunks, uniform in 1 ..
+    `vae_warm_context` (at most what the clip leaves before the scored chunks)."""
+    chunks = 1 + (cfg.frames - 1) // 4
+    most = min(cfg.vae_warm_context, chunks - cfg.vae_warm_chunks)
+    if most < 1:
+        raise ValueError(f"vae_warm_chunks={cfg.vae_warm_chunks} leaves no context chunk in a {cfg.frames}-frame "
+                         f"clip ({chunks} chunks); use at most {chunks - 1}")
+    context = int(torch.randint(1, most + 1, (1,), generator=gen))
+    video, _ = render_clips(training_seeds(gen, cfg.vae_batch), cfg, device)
+    return video[:, :, :1 + 4 * (context + cfg.vae_warm_chunks - 1)], context
+
+
+def warm_reconstruct(vae, x: torch.Tensor, context: int, *, noise_gen: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reconstruct the frames of `x` [B, 3, 1 + 4(n - 1), H, W] after its first `context` encoder chunks, with the
+    causal caches of diffusers' `AutoencoderKLWan` filled by those chunks (encoded, and their posterior means
+    decoded) without gradient: the same chunk loop as its `_encode` / `_decode`, so the frames come out as they do
+    from a full clip's encode and decode. With `noise_gen` the scored latents are posterior samples and the
+    encoder gets gradient (else the posterior mean, encoder without gradient: the decoder-only recipe). Returns
+    (reconstruction, target frames, KL per target element)."""
+    if context < 1:
+        raise ValueError(f"context must be at least 1 chunk (frame 0), got {context}")
+    chunks = 1 + (x.shape[2] - 1) // 4
+    if x.shape[2] != 1 + 4 * (chunks - 1) or chunks <= context:
+        raise ValueError(f"x has {x.shape[2]} frames; warm_reconstruct needs 1 + 4k frames with more than "
+                         f"{context} chunks")
+
+    def encode(i: int) -> torch.Tensor:
+        vae._enc_conv_idx = [0]
+        part = x[:, :, :1] if i == 0 else x[:, :, 1 + 4 * (i - 1):1 + 4 * i]
+        return vae.encoder(part, feat_cache=vae._enc_feat_map, feat_idx=vae._enc_conv_idx)
+
+    def decode(z: torch.Tensor, first: bool) -> torch.Tensor:
+        vae._conv_idx = [0]
+        kwargs = {"first_chunk": True} if first else {}
+        return vae.decoder(z, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, **kwargs)
+
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    vae.clear_cache()
+    with torch.no_grad():
+        warm = vae.quant_conv(torch.cat([encode(i) for i in range(context)], 2))
+    with torch.set_grad_enabled(torch.is_grad_enabled() and noise_gen is not None):
+        posterior = DiagonalGaussianDistribution(vae.quant_conv(torch.cat([encode(i) for i in range(context, chunks)],
+                                                                          2)))
+    if noise_gen is None:
+        z, kl = posterior.mode().detach(), posterior.mean.new_zeros(())
+    else:
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=noise_gen,
+                                                          device=posterior.mean.device)
+        kl = posterior.kl().mean() / x[0, :, 1 + 4 * (context - 1):].numel()
+    vae.clear_cache()
+    with torch.no_grad():
+        zw = vae.post_quant_conv(DiagonalGaussianDistribution(warm).mode())
+        for i in range(context):
+            decode(zw[:, :, i:i + 1], i == 0)
+    zs = vae.post_quant_conv(z)
+    rec = torch.cat([decode(zs[:, :, i:i + 1], False) for i in range(zs.shape[2])], 2).clamp(-1, 1)
+    vae.clear_cache()
+    return rec, x[:, :, 1 + 4 * (context - 1):], kl
 
 
 @torch.no_grad()
