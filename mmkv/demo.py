@@ -7,10 +7,13 @@ against its SHA-256 sums by `mmkv.assets.trained_video_assets`; docs/training.md
 frames, prompted with captions of held-out procedural scenes (`scenes.held_out_seeds`), so the report also scores
 prompt adherence and scene consistency. Without shipped weights, or with `--random`, it runs the tiny random models
 below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec (QVG and TCQ too) on one
-CausVid prompt and OCTOPUS 2-bit on the frame-wise loop, ~2.5 minutes on two cores before TCQ joined. With TCQ, and
-the fourth training run's video and audio releases placed in temporary asset folders (not shipped), the whole demo
-took 300 s on two cores, over the 3-minute mark: 219 s of it the CausVid run, 56 s and 44 s of that its two TCQ
-rollouts (the torch Viterbi encoder). Shipping the video model needs the plan cut or run in parallel first.
+CausVid prompt and OCTOPUS 2-bit on the frame-wise loop. With the fourth training run's video release placed in a
+temporary asset folder (not shipped) and the random audio models, the whole demo took 180 s on two cores (another
+process ran beside it for about 35 s of that): the CausVid run 112 s (5-6 s a rollout, 2.6 s of it the VAE decode
+of 81 frames; TCQ 13 s at 2 bits and 25 s at 4 bits), the frame-wise run 17 s, audio 20 s, report 21 s. Before the
+VAE's convolutions went through oneDNN (`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer
+trellis states (`TCQ` below) the same demo took 281 s. With the trained audio models too, `compare audio` took 52 s
+in an earlier run (below), so shipping both sets needs about 20 s more cut from the plan.
 
 The audio half likewise uses the trained tiny audio models shipped in the package (`mmkv/assets/audio/`, the release
 `mmkv ship audio` writes, checked by `mmkv.assets.trained_audio_assets`) when they are installed and --random is not
@@ -59,7 +62,7 @@ from mmkv.io import save_pretrained
 
 DEFAULT_OUT = "runs/demo"  # trained video model
 DEFAULT_OUT_RANDOM = "runs/demo-random"
-DEMO_VERSION = 3  # bump when the assets or the plan change, so old OUT folders are not mixed with new ones
+DEMO_VERSION = 4  # bump when the assets or the plan change, so old OUT folders are not mixed with new ones
 PROMPTS_FILE = Path(__file__).resolve().parent.parent / "prompts" / "prompts.txt"
 
 # identity (bit-exact with the reference: the metrics' ideal values) and four codecs at two bit widths.
@@ -72,8 +75,12 @@ QUICK_CODECS = ("identity", "octopus:b=2", "turboquant-mse:b=4", "kivi:bits=2,gr
 # per token (256 / 4680), so its bits per value too (3.1 at INT2 on a 288-token span; KV x 3.6 measured).
 QVG = ("qvg:bits=2,centroids=16", "qvg:bits=4,centroids=16")
 # and TCQ at OCTOPUS b=2's and b=4's effective bits (2.602 and 4.617 at head dim 128, fp32 norms on both sides: the
-# synthetic bench's iso-rate rows), so the trained table compares them at equal stored bits.
-TCQ = ("tcq:bits=2,hi=45,norm=32", "tcq:bits=4,hi=47,norm=32")
+# synthetic bench's iso-rate rows), so the trained table compares them at equal stored bits. With fewer trellis
+# states than the default L = 11: the torch Viterbi encoder costs 2^L state updates a step, and at L = 11 one
+# trained rollout took 52 s on two cores against 8 s for OCTOPUS. Encoding one block's [1, 2, 288, 128] keys on two
+# cores: 119 ms at 2 bits and L = 8 (1118 ms at L = 11), 360 ms at 4 bits and L = 10 (687 ms); relative MSE on
+# N(0, 1) vectors 0.057 and 0.0053 (L = 11: 0.048 and 0.0044; OCTOPUS b=2 / b=4: 0.083 / 0.0067). Both tables ship.
+TCQ = ("tcq:bits=2,hi=45,norm=32,L=8", "tcq:bits=4,hi=47,norm=32,L=10")
 TRAINED_CODECS = (*CODECS, *QVG, *TCQ)
 TRAINED_QUICK_CODECS = ("identity", "octopus:b=2", QVG[0])
 # The trained model's clips (docs/training.md): 21 latent frames of 16 x 24, 96 tokens a frame.
@@ -107,9 +114,9 @@ PLANS = {
                  prompts=4, audio_model="tiny", clips=4, codecs=CODECS),
     "quick": Plan("quick", (VideoModel("causvid", "causvid"),), prompts=2, audio_model="tiny", clips=2,
                   codecs=QUICK_CODECS),
-    # The shipped trained video model (`mmkv.assets`). One of its rollouts takes 7-9 s on one core (a random one
-    # 0.5 s), the VAE decode of 81 frames two thirds of it, so the trained plan runs every codec on one CausVid
-    # prompt and one codec on the frame-wise loop: 14 rollouts, about 2.5 minutes in all on two cores. The
+    # The shipped trained video model (`mmkv.assets`). One of its rollouts takes 5-6 s on two cores (a random one
+    # 0.5 s), 2.6 s of it the VAE decode of 81 frames, so the trained plan runs every codec on one CausVid
+    # prompt and one codec on the frame-wise loop: 14 + 2 rollouts, about 2 minutes on two cores. The
     # frame-wise loop reads the same checkpoint: the distilled model learned both loops' timesteps
     # (docs/training.md).
     "trained-full": Plan("trained-full", (VideoModel("causvid", "causvid", TRAINED_CODECS),

@@ -103,6 +103,34 @@ def test_base_layouts_load_vae_text_encoder_and_tokenizer(files, layout):
     assert comps.files["dit"]["sha256"] and comps.files["vae"]["files"][0]["sha256"]
 
 
+def test_loaded_vae_convolves_through_onednn_on_the_cpu_and_agrees_with_the_default_path(files):
+    """The loader routes the VAE's 3-D convolutions through oneDNN on the CPU (torch sends batch-1 5-D inputs to
+    its one-thread slow_conv3d): its decode and encode agree with an unpatched copy's to float32 rounding, and with
+    autograd on it is the default path exactly."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    comps = load_wan(files["cf_ema"], files["diffusers"], device="cpu")
+    ref = tiny_vae(seed=2).eval()
+    convs = [m for m in comps.vae.modules() if isinstance(m, torch.nn.Conv3d)]
+    assert convs and all("_conv_forward" in vars(m) for m in convs)
+    assert not any("_conv_forward" in vars(m) for m in ref.modules())
+    z = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, want = comps.vae.decode(z).sample, ref.decode(z).sample
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(comps.vae.encode(out).latent_dist.mean, ref.encode(out).latent_dist.mean,
+                                   rtol=1e-4, atol=1e-5)
+    conv = next(m for m in convs if m.kernel_size == (3, 3, 3))
+    x = torch.randn(1, conv.in_channels, 4, 6, 8, generator=torch.Generator().manual_seed(2))
+    with torch.enable_grad():
+        assert torch.equal(conv._conv_forward(x, conv.weight, conv.bias),
+                           torch.nn.Conv3d._conv_forward(conv, x, conv.weight, conv.bias))
+    with torch.no_grad():
+        torch.testing.assert_close(conv._conv_forward(x, conv.weight, conv.bias),
+                                   torch.nn.Conv3d._conv_forward(conv, x, conv.weight, conv.bias),
+                                   rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad input
 

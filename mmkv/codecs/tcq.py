@@ -151,10 +151,11 @@ def states_from_codes(codes: torch.Tensor, widths: list[int], L: int) -> torch.T
     return torch.stack(out, dim=-1)
 
 
-# Shipped tables (`mmkv codebooks build`): the default L at every width the bench runs, and L = 8 at 2 bits; any
+# Shipped tables (`mmkv codebooks build`): the default L at every width the bench runs, and L = 8 at 2 bits and
+# L = 10 at 4 bits (the trained demo's presets, mmkv/demo.py); any
 # other (L, k) is trained on first use (seconds at L = 8, half a minute at L = 11, about 100 s at L = 12) and kept
 # for the process.
-SHIPPED = [f"L{DEFAULT_L}_k{k}" for k in (4, 6, 8)] + ["L8_k4"]
+SHIPPED = [f"L{DEFAULT_L}_k{k}" for k in (4, 6, 8)] + ["L8_k4", "L10_k8"]
 _KEY = re.compile(r"^L(\d+)_k(\d+)$")
 
 
