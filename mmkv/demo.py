@@ -9,8 +9,8 @@ prompt adherence and scene consistency. Without shipped weights, or with `--rand
 below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec (QVG and TCQ too) on one
 CausVid prompt and OCTOPUS 2-bit on the frame-wise loop. With the fourth training run's video release placed in a
 temporary asset folder (not shipped) and the random audio models, the whole demo took 180 s on two cores (another
-process ran beside it for about 35 s of that): the CausVid run 112 s (5-6 s a rollout, 2.6 s of it the VAE decode
-of 81 frames; TCQ 13 s at 2 bits and 25 s at 4 bits), the frame-wise run 17 s, audio 20 s, report 21 s. Before the
+process ran beside it for about 35 s of that): the CausVid run 112 s (5-6 s a rollout, 3.3 s of it the VAE decode
+of 81 frames on the demo's one torch thread; TCQ 13 s at 2 bits and 25 s at 4 bits), the frame-wise run 17 s, audio 20 s, report 21 s. Before the
 VAE's convolutions went through oneDNN (`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer
 trellis states (`TCQ` below) the same demo took 281 s. With the trained audio models too, `compare audio` took 52 s
 in an earlier run (below), so shipping both sets needs about 20 s more cut from the plan.
@@ -114,8 +114,8 @@ PLANS = {
                  prompts=4, audio_model="tiny", clips=4, codecs=CODECS),
     "quick": Plan("quick", (VideoModel("causvid", "causvid"),), prompts=2, audio_model="tiny", clips=2,
                   codecs=QUICK_CODECS),
-    # The shipped trained video model (`mmkv.assets`). One of its rollouts takes 5-6 s on two cores (a random one
-    # 0.5 s), 2.6 s of it the VAE decode of 81 frames, so the trained plan runs every codec on one CausVid
+    # The shipped trained video model (`mmkv.assets`). One of its rollouts takes 5-6 s on one torch thread (a random
+    # one 0.5 s), 3.3 s of it the VAE decode of 81 frames, so the trained plan runs every codec on one CausVid
     # prompt and one codec on the frame-wise loop: 14 + 2 rollouts, about 2 minutes on two cores. The
     # frame-wise loop reads the same checkpoint: the distilled model learned both loops' timesteps
     # (docs/training.md).

@@ -324,9 +324,9 @@ def onednn_conv3d_(module: torch.nn.Module) -> torch.nn.Module:
 
     For a 5-D input of batch 1 torch's CPU convolution takes its oneDNN kernel only when N x C x T x H > 20480
     (`ConvParams::use_mkldnn`, aten/src/ATen/native/Convolution.cpp), a threshold written for 4-D inputs: the Wan
-    VAE's causal convolutions see 2-6 frames at a time, so they fall to `slow_conv3d` (im2col, one thread). On two
-    cores the tiny VAE then decodes 81 frames at 64 x 96 in 8.1 s, against 2.6 s through oneDNN (and encodes them
-    in 4.7 s against 1.6 s). The two paths agree to float32 rounding (max |delta| 3e-6 on the decoded frames), not
+    VAE's causal convolutions see 2-6 frames at a time, so they fall to `slow_conv3d` (im2col, one thread). The tiny
+    VAE then decodes 81 frames at 64 x 96 in 10.4 s on one thread, against 3.3 s through oneDNN (two threads: 8.1
+    against 2.6 s; encode 4.7 against 1.6 s). The two paths agree to float32 rounding (max |delta| 3e-6 on the decoded frames), not
     bit for bit; every rollout of a run decodes through the same path. Elsewhere (CUDA, bf16, training) the module
     is unchanged."""
     import types
