@@ -8,12 +8,13 @@ frames, prompted with captions of held-out procedural scenes (`scenes.held_out_s
 prompt adherence and scene consistency. Without shipped weights, or with `--random`, it runs the tiny random models
 below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec (QVG and TCQ too) on one
 CausVid prompt and OCTOPUS 2-bit on the frame-wise loop. With the fourth training run's video release placed in a
-temporary asset folder (not shipped) and the random audio models, the whole demo took 180 s on two cores (another
-process ran beside it for about 35 s of that): the CausVid run 112 s (5-6 s a rollout, 3.3 s of it the VAE decode
-of 81 frames on the demo's one torch thread; TCQ 13 s at 2 bits and 25 s at 4 bits), the frame-wise run 17 s, audio 20 s, report 21 s. Before the
-VAE's convolutions went through oneDNN (`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer
-trellis states (`TCQ` below) the same demo took 281 s. With the trained audio models too, `compare audio` took 52 s
-in an earlier run (below), so shipping both sets needs about 20 s more cut from the plan.
+temporary asset folder (not shipped) and the random audio models, the whole demo took 141 s on two idle cores
+with two torch threads (`TRAINED_THREADS`): the CausVid run 82 s, the frame-wise run 14 s, audio 19 s, report 15 s.
+On one thread the CausVid run took 108 s (5-6 s a rollout, 3.3 s of it the VAE decode of 81 frames; TCQ 13 s at 2
+bits and 25 s at 4 bits). Before the VAE's convolutions went through oneDNN
+(`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer trellis states (`TCQ` below), the same demo
+took 281 s on one thread. With the trained audio models too, `compare audio` took 52 s on one thread in an earlier
+run (below), against 18-20 s for the random ones.
 
 The audio half likewise uses the trained tiny audio models shipped in the package (`mmkv/assets/audio/`, the release
 `mmkv ship audio` writes, checked by `mmkv.assets.trained_audio_assets`) when they are installed and --random is not
@@ -151,9 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LPIPS trunk for the report: auto = torchvision's ImageNet AlexNet when it is in the "
                              "torch hub cache, else a seeded random trunk (marked †, not LPIPS)")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: GPU if present, else CPU)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="torch intra-op CPU threads (default 1: the tiny models' ops are too small to gain from "
-                             "more, and extra threads spin-wait on a busy machine; 0 = torch's default)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch intra-op CPU threads (default: 1 for the random models, whose ops are too small "
+                             "to gain from more and whose extra threads spin-wait on a busy machine; 2 for the "
+                             "trained video model, at most the CPUs there are; 0 = torch's default)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -411,18 +413,34 @@ def _keep_freed_memory(enabled: bool):
             mallopt(m_top_pad, 128 << 10)
 
 
+# The trained video model's ops are large enough for a second thread: on two idle cores its CausVid run took 108 s
+# on one thread and 82 s on two (the fourth training run's release, every codec of the trained plan), the frame-wise
+# run 16.2 and 13.7 s; the random models' runs do not gain.
+TRAINED_THREADS = 2
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    if args.threads < 0:
+    if args.threads is not None and args.threads < 0:
         raise UsageError(f"--threads must be >= 0, got {args.threads}")
     before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         return _run(args)
     finally:
         torch.set_num_threads(before)
+
+
+def _set_threads(args: argparse.Namespace, trained: bool) -> None:
+    import os
+
+    import torch
+
+    threads = args.threads
+    if threads is None:
+        threads = min(TRAINED_THREADS, os.cpu_count() or 1) if trained else 1
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def _choose_models(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -455,6 +473,7 @@ def _run(args: argparse.Namespace) -> int:
 
     trained = _choose_models(args)
     audio = _choose_audio_models(args)
+    _set_threads(args, trained is not None)
     size_name = "quick" if args.quick else "full"
     plan = PLANS[f"trained-{size_name}" if trained else size_name]
     out = check_out_dir(args.out or (DEFAULT_OUT if trained else DEFAULT_OUT_RANDOM))  # also: read-only, under a file

@@ -205,3 +205,25 @@ def test_rerun_resumes_and_other_settings_are_refused(demo, capsys, tmp_path):
         mp.setattr(mmkv.assets, "VIDEO_ASSETS", tmp_path / "none")
         assert main(["demo", "--seed", "3", "--out", str(out)]) == 2  # the full demo into the quick demo's folder
     assert "holds a demo made with" in capsys.readouterr().err
+
+
+def test_thread_count_defaults_to_one_for_random_models_and_two_for_the_trained_one(monkeypatch):
+    """`--threads` unset: 1 torch thread for the random models, `TRAINED_THREADS` (at most the CPUs there are) for
+    the trained video model; a given count wins; a negative one is refused before anything runs."""
+    import argparse
+
+    from mmkv import demo as demo_mod
+    from mmkv.cli import UsageError
+
+    before = torch.get_num_threads()
+    try:
+        for cpus, trained, threads, want in ((8, False, None, 1), (8, True, None, demo_mod.TRAINED_THREADS),
+                                              (1, True, None, 1), (8, True, 3, 3), (8, False, 2, 2)):
+            monkeypatch.setattr("os.cpu_count", lambda: cpus)
+            torch.set_num_threads(5)
+            demo_mod._set_threads(argparse.Namespace(threads=threads), trained)
+            assert torch.get_num_threads() == want, (cpus, trained, threads)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(UsageError, match="--threads must be >= 0"):
+        demo_mod.run(argparse.Namespace(threads=-1))
