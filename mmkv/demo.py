@@ -13,8 +13,8 @@ with two torch threads (`TRAINED_THREADS`): the CausVid run 82 s, the frame-wise
 On one thread the CausVid run took 108 s (5-6 s a rollout, 3.3 s of it the VAE decode of 81 frames; TCQ 13 s at 2
 bits and 25 s at 4 bits). Before the VAE's convolutions went through oneDNN
 (`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer trellis states (`TCQ` below), the same demo
-took 281 s on one thread. With the trained audio models too, `compare audio` took 52 s on one thread in an earlier
-run (below), against 18-20 s for the random ones.
+took 281 s on one thread. With the fifth run's audio models beside it (`mmkv ship audio` into a temporary
+`mmkv/assets/audio/`), the whole demo took 151 s: CausVid 79 s, frame-wise 15 s, `compare audio` 36 s, report 15 s.
 
 The audio half likewise uses the trained tiny audio models shipped in the package (`mmkv/assets/audio/`, the release
 `mmkv ship audio` writes, checked by `mmkv.assets.trained_audio_assets`) when they are installed and --random is not
