@@ -21,7 +21,8 @@ The audio half likewise uses the trained tiny audio models shipped in the packag
 given: `mmkv compare audio` reads them through its own default (no --aar), on held-out procedural clips
 (`sounds.held_out_seeds`, rendered at the models' rate and clip length) whose captions lie beside them, so the report
 scores audio adherence too. With `mmkv train audio`'s `tiny` models (a depth-4 AAR, 1.2-1.4 s a rollout on one core)
-and the random video models, the full demo took 175 s, `compare audio` 52 s of it, on two busy shared cores. Without
+and the random video models, the full demo took 175 s, `compare audio` 52 s of it, on two busy shared cores and
+one torch thread (before the speed-ups above). Without
 them, or with --random, the audio half runs the tiny random models on the synthetic clips below.
 Trained and random demos go to separate default folders (runs/demo, runs/demo-random); one folder never mixes them.
 

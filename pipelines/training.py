@@ -74,7 +74,6 @@ def lr_at(step: int, total: int, warmup: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-@torch.no_grad()
 def ema_decay(decay: float, step: int) -> float:
     """The EMA decay after optimiser step `step` (0-based): `decay`, warmed up as min(decay, (1 + n) / (10 + n)) over
     the n = step + 1 updates so far (diffusers `EMAModel.get_decay`). Without the warm-up a stage cut short by its
@@ -84,6 +83,7 @@ def ema_decay(decay: float, step: int) -> float:
     return min(decay, (1 + n) / (10 + n))
 
 
+@torch.no_grad()
 def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step: int) -> None:
     """One EMA step towards `model` at `ema_decay(decay, step)`."""
     d = ema_decay(decay, step)

@@ -313,7 +313,7 @@ def load_vae(base: Path, layout: str, *, device, dtype):
 
 def _onednn_conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     if (input.device.type == "cpu" and input.dtype == torch.float32 and weight.dtype == torch.float32
-            and self.padding_mode == "zeros" and not torch.is_grad_enabled()):
+            and self.padding_mode == "zeros" and not torch.is_grad_enabled() and torch.backends.mkldnn.enabled):
         return torch.ops.aten.mkldnn_convolution(input, weight, bias, self.padding, self.stride, self.dilation,
                                                  self.groups)
     return torch.nn.Conv3d._conv_forward(self, input, weight, bias)
@@ -326,9 +326,9 @@ def onednn_conv3d_(module: torch.nn.Module) -> torch.nn.Module:
     (`ConvParams::use_mkldnn`, aten/src/ATen/native/Convolution.cpp), a threshold written for 4-D inputs: the Wan
     VAE's causal convolutions see 2-6 frames at a time, so they fall to `slow_conv3d` (im2col, one thread). The tiny
     VAE then decodes 81 frames at 64 x 96 in 10.4 s on one thread, against 3.3 s through oneDNN (two threads: 8.1
-    against 2.6 s; encode 4.7 against 1.6 s). The two paths agree to float32 rounding (max |delta| 3e-6 on the decoded frames), not
-    bit for bit; every rollout of a run decodes through the same path. Elsewhere (CUDA, bf16, training) the module
-    is unchanged."""
+    against 2.6 s; encode 4.7 against 1.6 s). The two paths agree to float32 rounding (max |delta| 3e-6 on the
+    decoded frames), not bit for bit; every rollout of a run decodes through the same path. Elsewhere (CUDA, bf16,
+    autograd, `torch.backends.mkldnn.flags(enabled=False)`) the module runs torch's own choice."""
     import types
 
     if not torch.backends.mkldnn.is_available():

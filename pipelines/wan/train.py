@@ -389,8 +389,8 @@ def set_latent_stats(vae, cfg: VideoTrainConfig, seed: int, device: torch.device
 
 def vae_batch(cfg: VideoTrainConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """One VAE training batch [B, 3, T, H, W] in [-1, 1] (of the steps that are not warm-cache steps): with
-    probability `vae_long_share`, `vae_long_batch` crops
-    of `vae_long_frames` frames and a `vae_long_size` window; else `vae_batch` full-size crops of `vae_frames`.
+    probability `vae_long_share`, `vae_long_batch` crops of `vae_long_frames` frames and a `vae_long_size` window;
+    else `vae_batch` full-size crops of `vae_frames`.
     Crops start on a chunk boundary (frame 4k), as the encoder's causal chunks do."""
     long = float(torch.rand(1, generator=gen)) < cfg.vae_long_share
     batch, crop = (cfg.vae_long_batch, cfg.vae_long_frames) if long else (cfg.vae_batch, cfg.vae_frames)
