@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,11 +132,12 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
     out = tmp_path / "eval.json"
     argv = ["eval", "video", "--ckpt", str(root / "causvid"), "--base", str(root / "base"), "-n", "2",
             "--presets", "causvid", "--frames", str(cfg.frames), "--height", str(cfg.height), "--width",
-            str(cfg.width), "--no-past", "--random-dit", "--vae-clips", "1", "--out", str(out)]
+            str(cfg.width), "--no-past", "--random-dit", "--given-first-block", "--vae-clips", "1", "--out", str(out)]
     assert main(argv) == 0
     rec = json.loads(out.read_text())
-    assert [(r["model"], r["no_past"]) for r in rec["runs"]] == [("trained", False), ("trained", True),
-                                                                ("random DiT", False)]
+    assert [(r["model"], r["first_block"], r["no_past"]) for r in rec["runs"]] == [
+        ("trained", "generated", False), ("trained", "generated", True), ("trained", "given", False),
+        ("trained", "given", True), ("random DiT", "generated", False), ("random DiT", "given", False)]
     assert all(r["summary"]["clips"] == 2 and len(r["clips"]) == 2 for r in rec["runs"])
     assert rec["held_out_seeds"][0] >= 10_000_000 and "vae_held_out_psnr_db" in rec
     vae = rec["vae_held_out"]
@@ -148,6 +150,15 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
     with_past = evaluate_preset(comps, "causvid", prompts, keep_frames=1, **shape)["frames"][0]
     no_past = evaluate_preset(comps, "causvid", prompts, keep_frames=1, no_past=True, **shape)["frames"][0]
     assert (with_past[:9] == no_past[:9]).all() and not (with_past[9:] == no_past[9:]).all()
+    # a given first block is the held-out clip's own latents: its frames are theirs decoded, not the model's
+    from mmkv.pipelines.wan.evaluate import first_block_latents
+    from mmkv.pipelines.wan.loop import get_preset
+    from mmkv.pipelines.wan.pipeline import WanVideoPipeline
+
+    given = evaluate_preset(comps, "causvid", prompts, keep_frames=1, given_first_block=True, **shape)["frames"][0]
+    latents = first_block_latents(comps.vae, 10_000_000, height=cfg.height, width=cfg.width)
+    own = WanVideoPipeline(comps, get_preset("causvid")).decode(latents.to(comps.dit.dtype))[0]
+    assert np.abs(given[:9].astype(int) - own).max() <= 1  # the same decode, up to a convolution path's rounding
 
 
 def test_summary_counts_a_missing_object_as_wrong():

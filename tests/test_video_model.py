@@ -27,12 +27,12 @@ def make_store(codec, window=1, layers=TINY_DIT["num_layers"]):
                    num_heads=TINY_DIT["num_attention_heads"], head_dim=TINY_DIT["attention_head_dim"])
 
 
-def run(dit, context, preset, store, seed=0, index=0, num_frames=None):
+def run(dit, context, preset, store, seed=0, index=0, num_frames=None, prefix=None):
     noise = NoiseStream(seed, index)
     store.reset()
     with torch.no_grad(), store.attach(dit.transformer):
         result = rollout(dit, preset, context, noise, num_frames=num_frames or frames_for(preset),
-                         latent_height=LAT_H, latent_width=LAT_W)
+                         latent_height=LAT_H, latent_width=LAT_W, prefix=prefix)
     return result, noise
 
 
@@ -246,6 +246,32 @@ def test_bad_calls_raise_clear_errors(dit, context):
     with pytest.raises(ValueError, match="layers"):
         with make_store(None, layers=1).attach(dit.transformer):
             pass
+
+
+@pytest.mark.parametrize("name", ["causvid", "causal-forcing-frame"])
+def test_a_given_prefix_opens_the_video_and_later_blocks_read_it(dit, context, name):
+    preset = get_preset(name)
+    free, free_noise = run(dit, context, preset, make_store(None))
+    # its own first block as the prefix: the same video, with the same noise draws
+    p = 3 if preset.frames_per_block == 3 else 2
+    again, again_noise = run(dit, context, preset, make_store(None), prefix=free.latents[:, :p].clone())
+    assert torch.equal(again.latents, free.latents) and again_noise.sha256 == free_noise.sha256
+    assert again.calls < free.calls  # the given block was committed, not denoised
+    # another prefix: copied as given, and the blocks after it change (they attend to it through the cache)
+    other = torch.randn(free.latents[:, :p].shape, generator=torch.Generator().manual_seed(5))
+    moved, _ = run(dit, context, preset, make_store(None), prefix=other)
+    assert torch.equal(moved.latents[:, :p], other.to(moved.latents.dtype))
+    assert not torch.equal(moved.latents[:, p:], free.latents[:, p:])
+
+
+def test_a_prefix_the_loop_cannot_use_is_named(dit, context):
+    preset = get_preset("causvid")
+    with pytest.raises(ValueError, match="positive multiple of the preset's 3-frame blocks"):
+        run(dit, context, preset, make_store(None), prefix=torch.zeros(1, 2, 16, LAT_H, LAT_W))
+    with pytest.raises(ValueError, match="shorter than the video's 9"):
+        run(dit, context, preset, make_store(None), prefix=torch.zeros(1, 9, 16, LAT_H, LAT_W))
+    with pytest.raises(ValueError, match=r"shaped \[1, P, 16, 4, 6\]"):
+        run(dit, context, preset, make_store(None), prefix=torch.zeros(1, 3, 16, LAT_W, LAT_H))
 
 
 @pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2", "oscar:bits=2,group=32"])

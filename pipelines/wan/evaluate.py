@@ -11,6 +11,12 @@ not state with block 1. Two controls:
 * `--random-dit`: the DiT re-initialised at random (same architecture), with the same VAE and text encoder: the
   chance level of every score.
 
+`--given-first-block` adds continuations: the held-out clip's own first CausVid block (pixel frames 0-8, 3 latent
+frames through the VAE) opens the video and the model generates the rest (Self-Forcing's `initial_latent`), with the
+cache and, with `--no-past`, without it. A free rollout mixes two questions, whether the model can draw a first
+block from the caption and whether later blocks read it back; a given first block isolates the second, the one a
+KV codec's error reaches. The named attributes are then partly given too: read them from the free rollouts.
+
 It also measures the VAE's held-out reconstruction PSNR. The result is one JSON (`--out`), the numbers
 `docs/training.md` reports for the shipped weights.
 """
@@ -29,6 +35,7 @@ from mmkv.pipelines.common import NoiseStream, atomic_write_json, parse_device, 
 from mmkv.pipelines.wan import scenes
 
 ATTRS = ("colour", "shape", "size", "direction", "speed")
+GIVEN_LATENT_FRAMES = 3  # one CausVid block (pixel frames 0-8); a whole number of the frame-wise loop's blocks too
 
 
 def _accuracy(values: list[bool | None]) -> float | None:
@@ -66,8 +73,20 @@ def random_dit_like(dit, seed: int):
 
 
 @torch.no_grad()
+def first_block_latents(vae, scene_seed: int, *, height: int, width: int) -> torch.Tensor:
+    """Normalised latents [1, GIVEN_LATENT_FRAMES, C, h, w] of a scene's first pixel frames, encoded on their own
+    (the VAE is causal: the same as the first latent frames of the whole clip's encode)."""
+    from mmkv.pipelines.wan.train import encode_latents, render_pixels
+
+    pixels, _ = render_pixels([scene_seed], frames=1 + 4 * (GIVEN_LATENT_FRAMES - 1), height=height, width=width,
+                              device=next(vae.parameters()).device)
+    return encode_latents(vae, pixels)
+
+
+@torch.no_grad()
 def evaluate_preset(comps, preset_name: str, prompts: list[tuple[int, str]], *, frames: int, height: int,
-                    width: int, seed: int, no_past: bool = False, keep_frames: int = 0) -> dict[str, Any]:
+                    width: int, seed: int, no_past: bool = False, given_first_block: bool = False,
+                    keep_frames: int = 0) -> dict[str, Any]:
     from mmkv.metrics.adherence import score_clip
     from mmkv.pipelines.wan.loop import get_preset
     from mmkv.pipelines.wan.pipeline import WanVideoPipeline
@@ -79,14 +98,17 @@ def evaluate_preset(comps, preset_name: str, prompts: list[tuple[int, str]], *, 
     for index, (scene_seed, text) in enumerate(prompts):
         store = pipe.make_store(None, residual_window=1)
         on_block = (lambda b, n: store.reset()) if no_past else None
-        res = pipe.generate(pipe.encode_text([text]), NoiseStream(seed, index), store, grid, on_block=on_block)
+        prefix = first_block_latents(comps.vae, scene_seed, height=height, width=width) if given_first_block else None
+        res = pipe.generate(pipe.encode_text([text]), NoiseStream(seed, index), store, grid, on_block=on_block,
+                            prefix=prefix)
         video = pipe.decode(res.latents)[0]
         s = score_clip(video, scenes.parse_caption(text), scenes.PALETTE)
         scores.append({"seed": scene_seed, "prompt": text, **{k: v for k, v in s.items() if k != "windows"},
                        "windows": s["windows"]})
         if index < keep_frames:
             kept.append(video)
-    return {"preset": preset_name, "no_past": no_past, "seconds": round(time.perf_counter() - t0, 2),
+    return {"preset": preset_name, "no_past": no_past,
+            "first_block": "given" if given_first_block else "generated", "seconds": round(time.perf_counter() - t0, 2),
             "summary": summarize(scores), "clips": [_slim(s) for s in scores], "frames": kept}
 
 
@@ -109,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                 "themselves (does the model read its cache?)")
     parser.add_argument("--random-dit", action="store_true", help="also score a randomly initialised DiT of the "
                                                                    "same architecture (chance level)")
+    parser.add_argument("--given-first-block", action="store_true",
+                        help="also score continuations of each held-out clip's own first block (pixel frames 0-8): "
+                             "does the model keep what its cache holds?")
     parser.add_argument("--vae-clips", type=int, default=16, help="held-out clips for the VAE's PSNR (0: skip)")
     parser.add_argument("--device", default=None, help="cpu (default without a GPU), cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -132,21 +157,24 @@ def run(args: argparse.Namespace) -> int:
     shape = {"frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed}
     record: dict[str, Any] = {"ckpt": comps.files.get("dit"), "base": comps.files.get("base"), **shape,
                               "held_out_seeds": [s for s, _ in prompts], "versions": versions(), "runs": []}
-    variants = [("trained", False)] + ([("trained", True)] if args.no_past else [])
+    starts = [False] + ([True] if args.given_first_block else [])
+    variants = [(given, no_past) for given in starts for no_past in ([False, True] if args.no_past else [False])]
     for preset in presets:
-        for model, no_past in variants:
-            res = evaluate_preset(comps, preset, prompts, no_past=no_past, **shape)
+        for given, no_past in variants:
+            res = evaluate_preset(comps, preset, prompts, no_past=no_past, given_first_block=given, **shape)
             res.pop("frames")
-            record["runs"].append({"model": model, **res})
-            print(f"{preset:<24} {'no past' if no_past else 'cache':<8} {_line(res['summary'])}", flush=True)
+            record["runs"].append({"model": "trained", **res})
+            print(f"{preset:<24} {_label(given, 'no past' if no_past else 'cache')} {_line(res['summary'])}",
+                  flush=True)
     if args.random_dit:
         trained = comps.dit
         comps.dit = random_dit_like(trained, seed=args.seed)
         for preset in presets:
-            res = evaluate_preset(comps, preset, prompts, **shape)
-            res.pop("frames")
-            record["runs"].append({"model": "random DiT", **res})
-            print(f"{preset:<24} {'random':<8} {_line(res['summary'])}", flush=True)
+            for given in starts:
+                res = evaluate_preset(comps, preset, prompts, given_first_block=given, **shape)
+                res.pop("frames")
+                record["runs"].append({"model": "random DiT", **res})
+                print(f"{preset:<24} {_label(given, 'random')} {_line(res['summary'])}", flush=True)
         comps.dit = trained
     if args.vae_clips:
         from mmkv.pipelines.wan.train import vae_held_out
@@ -158,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
               f"{held_out['object_psnr_db']} dB, found in {held_out['detector']['found_pct']}% of them)")
     atomic_write_json(out, record)
     return 0
+
+
+def _label(given: bool, kind: str) -> str:
+    return f"{'given 1st, ' if given else ''}{kind:<8}".ljust(19)
 
 
 def _line(s: dict[str, Any]) -> str:

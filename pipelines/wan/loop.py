@@ -163,10 +163,16 @@ def rollout(
     latent_width: int,
     batch_size: int = 1,
     on_block: Callable[[int, int], None] | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> RolloutResult:
     """Generate `num_frames` latent frames block by block. The caller attaches the KV store around this call.
 
-    `on_block(block_index, num_blocks)` is called after each block (progress bars).
+    `on_block(block_index, num_blocks)` is called after each block (progress bars). `prefix` [B, P, C, H, W] (P a
+    multiple of the block size, below `num_frames`): given clean latent frames that open the video. They are
+    committed to the cache as generated blocks are and copied to the output; only the frames after them are
+    generated (Self-Forcing pipeline/causal_inference.py, `initial_latent`). The noise stream is consumed as if the
+    given blocks were generated, so every later block sees the draws of a rollout without a prefix: a rollout whose
+    prefix is its own first blocks repeats itself exactly.
     """
     fpb = preset.frames_per_block
     if num_frames < 1 or num_frames % fpb:
@@ -178,6 +184,7 @@ def rollout(
     sched = FlowMatchScheduler(preset.shift)
     device, dtype = model.device, model.dtype
     shape = (batch_size, num_frames, model.in_channels, latent_height, latent_width)
+    given = _check_prefix(prefix, shape, fpb)
     model.reset()
     x_init = noise.randn(*shape, device=device, dtype=dtype)  # one draw for the whole video (CausVid, Causal Forcing)
     out = torch.empty(shape, device=device, dtype=dtype)
@@ -187,6 +194,11 @@ def rollout(
         t0 = time.perf_counter()
         s = b * fpb
         block_steps = first_steps if b == 0 else steps
+        if s < given:  # a given block: skip its denoising, but not its re-noising draws
+            x0 = prefix[:, s:s + fpb].to(device=device, dtype=dtype)
+            for _ in block_steps[1:]:
+                noise.randn(*x0.shape, device=device, dtype=dtype)
+            block_steps = []
         x = x_init[:, s:s + fpb]
         for i, t in enumerate(block_steps):
             flow = model(x, t, context, start_frame=s, mode="denoise")
@@ -205,6 +217,20 @@ def rollout(
         if on_block is not None:
             on_block(b, num_blocks)
     return result
+
+
+def _check_prefix(prefix: torch.Tensor | None, shape: tuple[int, ...], fpb: int) -> int:
+    """The number of given latent frames (0 without a prefix); a one-line error for a prefix the loop cannot use."""
+    if prefix is None:
+        return 0
+    p = prefix.shape[1] if prefix.ndim == 5 else -1
+    if prefix.ndim != 5 or prefix.shape[0] != shape[0] or tuple(prefix.shape[2:]) != tuple(shape[2:]):
+        raise PresetError(f"prefix latents must be shaped [{shape[0]}, P, {', '.join(map(str, shape[2:]))}], got "
+                          f"{list(prefix.shape)}")
+    if p < 1 or p % fpb or p >= shape[1]:
+        raise PresetError(f"a prefix of {p} latent frames must be a positive multiple of the preset's {fpb}-frame "
+                          f"blocks and shorter than the video's {shape[1]} latent frames")
+    return p
 
 
 def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int,

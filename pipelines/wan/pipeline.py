@@ -157,12 +157,13 @@ class WanVideoPipeline:
     # -- generation --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, context: torch.Tensor, noise: NoiseStream, store: KVStore, grid: Grid,
-                 on_block: Callable[[int, int], None] | None = None) -> RolloutResult:
+                 on_block: Callable[[int, int], None] | None = None,
+                 prefix: torch.Tensor | None = None) -> RolloutResult:
         store.reset()
         with store.attach(self.dit.transformer):
             return rollout(self.dit, self.preset, context, noise, num_frames=grid.latent_frames,
                            latent_height=grid.latent_height, latent_width=grid.latent_width,
-                           batch_size=context.shape[0], on_block=on_block)
+                           batch_size=context.shape[0], on_block=on_block, prefix=prefix)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
