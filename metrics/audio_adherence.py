@@ -379,13 +379,9 @@ def _measure(a: _Analysis, tables: SoundTables, th: Thresholds) -> dict:
     energy = a.power.sum(1)
     active = energy >= energy.max() * 10 ** (-th.active_db / 10)
     track = np.log2(_peak_track(a.power, sr))
-    lag = th.glide_lag
-    if lag == 1:
-        steps = np.diff(track)[active[:-1] & active[1:]]
-    elif len(track) > lag:  # steps over `lag` frames, all of them active, per frame
+    lag, steps = th.glide_lag, np.zeros(0)
+    if len(track) > lag:  # steps over `lag` frames (all of them active), per frame
         steps = ((track[lag:] - track[:-lag]) / lag)[sliding_window_view(active, lag + 1).all(1)]
-    else:
-        steps = np.zeros(0)
     glide = agreement = 0.0
     if len(steps) >= th.min_glide_steps:
         glide = float(np.median(steps))
