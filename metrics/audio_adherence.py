@@ -21,7 +21,8 @@ Every attribute is measured on every clip, from a float waveform [samples]:
   loudest, refined by a parabola through the log magnitudes; the median step of log2 of that frequency between
   consecutive such frames. An exponential sweep moves it by a steady step (1.3-3.3 octaves over 0.3-0.6 s), a note
   not at all, noise at random. A glide of at least `glide_min` octaves a second that at least `glide_agreement` of
-  the steps follow (within half the median step) gives `direction`.
+  the steps follow (within half the median step) gives `direction`. With `glide_lag` k > 1 each step spans k frames
+  (divided by k), so frame-to-frame jitter of the peak, which a generated sweep can have, weighs k times less.
 * Periodicity and pitch: YIN (de Cheveigne and Kawahara, 2002, steps 1-5: difference function, cumulative mean
   normalised difference d', absolute threshold, local minimum, parabolic interpolation of the difference function)
   in 20 ms windows every `yin_hop` from `fmin` to `fmax`, over the first sound: the first `pitch_window` after the
@@ -99,6 +100,10 @@ class Thresholds:
     glide_min: float = 1.0  # octaves per second
     glide_agreement: float = 0.6
     min_glide_steps: int = 8
+    # STFT frames between the two ends of a glide step (1: consecutive frames, 10 ms). A longer step lets a sweep
+    # whose peak frequency jitters from frame to frame (a generated chirp) still agree: the glide grows with the
+    # lag, the jitter does not.
+    glide_lag: int = 1
     fmin: float = 60.0  # Hz
     fmax: float = 3000.0  # Hz
     yin_threshold: float = 0.12
@@ -118,6 +123,8 @@ class Thresholds:
             raise ValueError(f"Thresholds need 0 < hop <= frame, got hop {self.hop}, frame {self.frame}")
         if not 0 < self.fmin < self.fmax:
             raise ValueError(f"Thresholds need 0 < fmin < fmax, got {self.fmin}, {self.fmax}")
+        if isinstance(self.glide_lag, bool) or not isinstance(self.glide_lag, int) or self.glide_lag < 1:
+            raise ValueError(f"Thresholds glide_lag must be an int >= 1 (STFT frames), got {self.glide_lag!r}")
 
 
 DEFAULT_THRESHOLDS = Thresholds()
@@ -372,7 +379,9 @@ def _measure(a: _Analysis, tables: SoundTables, th: Thresholds) -> dict:
     energy = a.power.sum(1)
     active = energy >= energy.max() * 10 ** (-th.active_db / 10)
     track = np.log2(_peak_track(a.power, sr))
-    steps = np.diff(track)[active[:-1] & active[1:]]
+    lag, steps = th.glide_lag, np.zeros(0)
+    if len(track) > lag:  # steps over `lag` frames (all of them active), per frame
+        steps = ((track[lag:] - track[:-lag]) / lag)[sliding_window_view(active, lag + 1).all(1)]
     glide = agreement = 0.0
     if len(steps) >= th.min_glide_steps:
         glide = float(np.median(steps))

@@ -84,6 +84,46 @@ def test_a_wrong_caption_is_caught(scored):
             assert r["adherence"] == 0.0, (kind, other, {a: r[a] for a in other})
 
 
+def _jittered_sweep(rng, rising: bool) -> np.ndarray:
+    """A 0.5 s exponential sweep whose frequency jumps by a random 0.06 octave (sd) every 10 ms, as the finest
+    scales of a generated chirp make its peak wander: heard as a rising or falling warble."""
+    n = SR // 2
+    t = np.arange(n) / SR
+    lo, hi = rng.uniform(250, 400), rng.uniform(1000, 1800)
+    start, end = (lo, hi) if rising else (hi, lo)
+    log_f = np.log2(start) + np.log2(end / start) * t / 0.5 + rng.normal(0, 0.06, 50)[(t // 0.01).astype(int)]
+    clip = np.zeros(SR)
+    begin = int(rng.uniform(0.05, 0.3) * SR)
+    clip[begin:begin + n] = 0.7 * np.sin(2 * np.pi * np.cumsum(2 ** log_f) / SR)
+    return clip
+
+
+def test_a_longer_glide_step_finds_a_jittered_sweep():
+    rng = np.random.default_rng()
+    lagged = Thresholds(glide_lag=8)
+    for k in range(8):
+        direction = S.DIRECTIONS[k % 2]
+        clip = _jittered_sweep(rng, direction == "rising")
+        named = {"kind": "chirp", "direction": direction}
+        assert score_audio(clip, SR, named, S.TABLES)["direction"] is None  # 10 ms steps: the jitter wins
+        r = score_audio(clip, SR, named, S.TABLES, lagged)
+        assert r["direction"] == direction and r["kind"] == "chirp", (direction, r["glide_oct_per_s"])
+
+
+def test_a_longer_glide_step_keeps_rendered_clips_and_noise(scored):
+    lagged = Thresholds(glide_lag=8)
+    for kind, attrs in ATTRS.items():
+        rows = [r for r in scored if r[1].kind == kind][:50]
+        for seed, s, clip, _ in rows:
+            r = score_audio(clip, SR, s.named, S.TABLES, lagged)
+            assert all(r[OK[a]] for a in attrs) or kind == "note", (seed, kind, {a: r[a] for a in attrs})
+            assert (r["direction"] is not None) == (kind == "chirp"), (seed, kind, r["glide_oct_per_s"])
+    rng = np.random.default_rng()
+    for _ in range(10):
+        r = score_audio((0.3 * rng.standard_normal(SR)).clip(-1, 1), SR, None, S.TABLES, lagged)
+        assert r["kind"] == "noise" and r["direction"] is None
+
+
 def test_an_octave_or_a_semitone_off_fails_pitch_ok():
     base = next(s for s in map(S.sample_sound, range(100)) if s.kind == "note")
     s = dataclasses.replace(base, note="A4", waveform="sine", second=None)
@@ -151,3 +191,5 @@ def test_score_audio_errors_name_the_problem():
         SoundTables(notes=S.NOTES, bands={"low": (500.0, 80.0)})
     with pytest.raises(ValueError, match="fmin < fmax"):
         Thresholds(fmin=500.0, fmax=100.0)
+    with pytest.raises(ValueError, match="glide_lag must be an int >= 1"):
+        Thresholds(glide_lag=0)

@@ -87,6 +87,8 @@ def test_train_json_reports_the_held_out_scores(stages):
     aar = rec["aar"]["heldout"]
     assert len(aar["ce_cond_per_scale"]) == len(CFG.sat["multi_scale"]) and aar["ce_cond"] > 0
     assert aar["rollouts"]["clips"] == CFG.eval_rollouts and aar["rollouts"]["finite"]
+    lagged = aar["rollouts"]["direction_glide_lag"]  # the first held-out clip is a chirp
+    assert lagged["lag"] == train.ROLLOUT_GLIDE_LAG and lagged["clips"] >= 1 and 0 <= lagged["ok"] <= 1
 
 
 def test_the_output_loads_through_the_loaders_and_the_clap_embedder_and_rolls_out(stages, models):
@@ -287,3 +289,10 @@ def test_sat_adherence_ceiling_scores_originals_fully_and_silence_not():
     noisy = adherence_summary(np.random.default_rng(0).normal(0, 0.1, waves.shape).astype(np.float32), held,
                               sounds.SAMPLE_RATE)
     assert noisy["adherence"] is None or noisy["adherence"] < 0.6
+    # Other detector thresholds reach score_audio: with no active frame allowed no clip shows a glide.
+    from mmkv.metrics.audio_adherence import Thresholds
+
+    chirps = [i for i, s in enumerate(held) if s.kind == "chirp"]
+    strict = adherence_summary(waves[chirps], [held[i] for i in chirps], sounds.SAMPLE_RATE,
+                               Thresholds(min_glide_steps=1000))
+    assert chirps and strict["per_attribute"]["direction"]["ok"] == 0.0

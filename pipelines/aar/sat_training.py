@@ -238,12 +238,15 @@ def evaluate_sat(sat: SAT, cfg: AudioTrainConfig, device: torch.device) -> dict[
                           "originals": adherence_summary(ref.numpy(), held, cfg.sample_rate)}}
 
 
-def adherence_summary(waves: np.ndarray, held: list[sounds.Sound], sample_rate: int) -> dict[str, Any]:
+def adherence_summary(waves: np.ndarray, held: list[sounds.Sound], sample_rate: int,
+                      thresholds: Any = None) -> dict[str, Any]:
     """`score_audio` of clips [N, samples] against their sounds' named attributes: the mean adherence and the share
-    right per attribute. On a SAT's reconstructions it is the ceiling an AAR over its tokens can reach."""
-    from mmkv.metrics.audio_adherence import OK_FIELDS, score_audio
+    right per attribute. On a SAT's reconstructions it is the ceiling an AAR over its tokens can reach.
+    `thresholds`: the detector's `Thresholds` (None: its defaults)."""
+    from mmkv.metrics.audio_adherence import DEFAULT_THRESHOLDS, OK_FIELDS, score_audio
 
-    scores = [score_audio(waves[i], sample_rate, s.named, sounds.TABLES) for i, s in enumerate(held)]
+    th = DEFAULT_THRESHOLDS if thresholds is None else thresholds
+    scores = [score_audio(waves[i], sample_rate, s.named, sounds.TABLES, th) for i, s in enumerate(held)]
     per_attr = {}
     for attr, ok_field in OK_FIELDS.items():
         oks = [sc[ok_field] for sc in scores if sc[ok_field] is not None]

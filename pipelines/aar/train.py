@@ -419,15 +419,25 @@ def evaluate_aar(aar: AAR, sat: SAT, clap_model, extractor, cfg: AudioTrainConfi
     return result
 
 
+# STFT frames a glide step of the rollouts' second direction score spans (`Thresholds.glide_lag`): a generated
+# chirp's peak jitters from frame to frame, so 10 ms steps miss sweeps that 80 ms steps find (docs/training.md).
+ROLLOUT_GLIDE_LAG = 8
+
+
 def rollout_adherence(aar: AAR, sat: SAT, conds: torch.Tensor, held: list[sounds.Sound], cfg: AudioTrainConfig,
                       seed: int) -> dict[str, Any]:
-    """One rollout per held-out clip (native cache, the pipeline's sampling), scored against the clip's caption."""
+    """One rollout per held-out clip (native cache, the pipeline's sampling), scored against the clip's caption;
+    `direction_glide_lag` scores the chirps' direction again with glide steps of ROLLOUT_GLIDE_LAG frames."""
+    from mmkv.metrics.audio_adherence import Thresholds
     from mmkv.pipelines.aar.sample import rollout
     from mmkv.pipelines.aar.sat_training import adherence_summary
 
     out = rollout(aar, sat, conds, seed=seed, key="train-heldout")
-    return {**adherence_summary(out.audio[:, 0].numpy(), held, cfg.sample_rate),
-            "finite": bool(torch.isfinite(out.audio).all())}
+    waves = out.audio[:, 0].numpy()
+    lagged = adherence_summary(waves, held, cfg.sample_rate, Thresholds(glide_lag=ROLLOUT_GLIDE_LAG))
+    direction = lagged["per_attribute"].get("direction")
+    return {**adherence_summary(waves, held, cfg.sample_rate), "finite": bool(torch.isfinite(out.audio).all()),
+            "direction_glide_lag": None if direction is None else {"lag": ROLLOUT_GLIDE_LAG, **direction}}
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
