@@ -202,6 +202,25 @@ def test_a_dead_code_restarts_at_a_vector_of_the_batch():
     assert cb.cluster_size[3] >= 0.99 * step.dead_code
 
 
+def test_a_relative_dead_code_bar_keeps_a_codebook_fed_few_rows_a_step():
+    """A coarse SAT scale sees one row a clip: with upstream's absolute bar nearly every code is reset every step
+    and the codebook ends as copies of the last batches; the relative bar lets it spread over the data."""
+
+    def fit(share: float) -> tuple[int, float]:
+        gen = torch.Generator().manual_seed(0)
+        cb = EuclideanCodebook(8, 128)
+        step = train.CodebookTraining(kmeans_iters=3, dead_code_share=share, generator=torch.Generator().manual_seed(1))
+        for _ in range(800):  # 8 rows a step for 128 codes
+            train.codebook_step(cb, torch.randn(8, 8, generator=gen), step)
+        x = torch.randn(2048, 8, generator=gen)
+        idx, q = train.codebook_step(cb, x, None)
+        return len(set(idx.tolist())), float(((x - q) ** 2).mean() / x.pow(2).mean())
+
+    (used_abs, err_abs), (used_rel, err_rel) = fit(0.0), fit(0.1)
+    assert used_abs <= 32 and used_rel >= 96  # measured: 13 and 127 of 128
+    assert err_rel < 0.6 * err_abs  # measured: relative MSE 0.79 and 0.40
+
+
 def test_contrastive_targets_count_same_caption_clips_as_positives():
     """Two clips whose captions mean the same: embedding them alike is optimal only when the groups say so."""
     scales = SimpleNamespace(logit_scale_a=torch.tensor(math.log(50.0)), logit_scale_t=torch.tensor(math.log(50.0)))

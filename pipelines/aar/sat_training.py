@@ -28,6 +28,14 @@ class CodebookTraining:
     epsilon: float = 1e-5
     kmeans_iters: int = 50
     dead_code: float = 2.0  # EMA count below which a code is reset
+    # With `dead_code_share` > 0, the bar is relative instead: a code is dead when its EMA count is below that share of
+    # a uniform split of the step's rows (share x N / K), and a reset code restarts at the uniform split N / K. The
+    # absolute bar assumes many rows a step: upstream's 2.0 lets at most N / 2 codes live, and a coarse scale of the
+    # SAT sees one row a clip (32 a step), so nearly every code was reset every step and the codebook ended as copies
+    # of the last batch (a 32-row stream of N(0, I) vectors: 34 of 1,024 codes in use, relative MSE 0.95; with share
+    # 0.1: 528 codes, 0.75; docs/training.md). At decay d a code at its uniform rate dies after about
+    # ln(1 / share) / (1 - d) steps without a row (230 at share 0.1, d 0.99), at every scale alike.
+    dead_code_share: float = 0.0  # 0: the absolute `dead_code` (upstream)
     generator: torch.Generator = field(default_factory=torch.Generator, compare=False)
     inited: set = field(default_factory=set, compare=False)  # codebooks seen inited (saves a device sync a step)
 
@@ -89,13 +97,18 @@ def _expire_codes_(codebook, x: torch.Tensor, train: CodebookTraining) -> None:
     # core_vq.py `expire_codes_` replaces only `embed`, which the EMA step right after overwrites with
     # embed_avg / cluster_size; the reset also writes those statistics (as vector-quantize-pytorch does), so a dead
     # code really restarts at a vector of the batch.
-    if train.dead_code <= 0:
+    if train.dead_code_share > 0:
+        restart = x.shape[0] / codebook.codebook_size
+        bar = train.dead_code_share * restart
+    else:
+        bar = restart = train.dead_code
+    if bar <= 0:
         return
-    dead = (codebook.cluster_size < train.dead_code)[:, None]
+    dead = (codebook.cluster_size < bar)[:, None]
     fresh = _sample_vectors(x, codebook.codebook_size, train.generator)
     codebook.embed.copy_(torch.where(dead, fresh, codebook.embed))
-    codebook.embed_avg.copy_(torch.where(dead, fresh * train.dead_code, codebook.embed_avg))
-    codebook.cluster_size.copy_(torch.where(dead[:, 0], train.dead_code, codebook.cluster_size))
+    codebook.embed_avg.copy_(torch.where(dead, fresh * restart, codebook.embed_avg))
+    codebook.cluster_size.copy_(torch.where(dead[:, 0], restart, codebook.cluster_size))
 
 
 def quantize(sat: SAT, z: torch.Tensor, train: CodebookTraining | None = None, commitment: float = 1.0

@@ -110,6 +110,9 @@ class AudioTrainConfig:
     codebook_decay: float = 0.99
     kmeans_iters: int = 50
     dead_code: float = 2.0
+    # Dead codes by a share of the uniform split instead of the absolute count (`CodebookTraining.dead_code_share`):
+    # scale 0 sees 32 rows a step, so the absolute 2.0 kept 53 of its 1,024 codes in use (sixth run). 0: upstream.
+    dead_code_share: float = 0.1
     commitment: float = 1.0
     # SAT waveform terms: upstream's 0.1 L1 (`losses.py`), and a weight on -SI-SNR in dB (Le Roux et al. 2019).
     # Without the GAN, the mel terms leave the phase free: the first GPU run reconstructed the log-mel (L1 0.18) but
@@ -267,6 +270,7 @@ def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     log(f"sat: {len(batch)} clips rendered in {time.perf_counter() - t0:.1f} s")
     train_gen = torch.Generator().manual_seed(seed + 41)
     codebooks = CodebookTraining(cfg.codebook_decay, kmeans_iters=cfg.kmeans_iters, dead_code=cfg.dead_code,
+                                 dead_code_share=cfg.dead_code_share,
                                  generator=torch.Generator().manual_seed(seed + 42))
     mel = MelLoss(cfg.sample_rate, device)
     parts: dict[str, list[torch.Tensor]] = {"l1": [], "mel": [], "commit": [], "si_snr_db": []}
