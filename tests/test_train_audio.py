@@ -267,6 +267,16 @@ def test_init_continues_a_stage_from_its_weights(stages, tmp_path, stage):
         assert more["loss_curve"][0][1] < rec[stage]["loss_curve"][0][1]
 
 
+@pytest.mark.parametrize("stage", ["clap", "sat"])
+def test_an_aar_output_continues_the_earlier_stages_too(stages, tmp_path, stage):
+    root, rec = stages
+    source = {"clap": None, "sat": root / "clap"}[stage]
+    more = _run(stage, tmp_path / stage, source, steps=3, init=root / "aar", seed=1)
+    assert more["init"] == str(root / "aar") and more["steps"] == 3
+    if stage == "sat":  # the aar folder's copy of the SAT: its codebooks and encoder, not a fresh init
+        assert more["loss_curve"][0][1] < rec["sat"]["loss_curve"][0][1]
+
+
 def test_batch_si_snr_equals_the_float64_one_per_clip():
     from mmkv.pipelines.aar.sat_training import batch_si_snr_db, si_snr_db
 

@@ -120,6 +120,10 @@ def test_init_continues_a_stage_from_its_weights_and_refuses_another_stage(stage
     assert more["loss_curve"][0][1] < first_run[0][1]
     with pytest.raises(ValueError, match="continues from the output of"):
         _run("dit", tmp_path / "dit3", root / "vae", steps=3, init=root / "vae")
+    # a distill output holds a DiT too (its student): more teacher-forced steps may start from it
+    student = _run("dit", tmp_path / "dit4", root / "vae", steps=3, init=root / "distill", seed=2)
+    assert student["init"] == str(root / "distill")
+    assert student["loss_curve"][0][1] < first_run[0][1]
 
 
 def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path):

@@ -466,7 +466,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides[f"{args.stage}_steps"] = args.steps
     cfg = get_config(args.config, **overrides)
-    st = start_stage(args, first_stage="clap", previous={"sat": "clap", "aar": "sat"})
+    # A later stage's output holds copies of the earlier stages' models (sat: clap/; aar: clap/ and the SAT).
+    st = start_stage(args, first_stage="clap", previous={"sat": "clap", "aar": "sat"},
+                     init_from={"clap": STAGES, "sat": ("sat", "aar"), "aar": ("aar",)})
     common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
     if args.stage == "clap":
         stats = train_clap(cfg, st.out, **common)

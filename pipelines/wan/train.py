@@ -630,7 +630,8 @@ def run(args: argparse.Namespace) -> int:
         overrides[{"vae": "vae_steps", "dit": "dit_steps", "distill": "distill_steps"}[args.stage]] = args.steps
     cfg = get_config(args.config, **overrides)
     # A dit or distill output holds the VAE it was trained on (base/vae): the vae stage may continue from it.
-    st = start_stage(args, first_stage="vae", init_from={"vae": STAGES})
+    # A distill output holds a DiT too (the student, a close init for more teacher-forced steps).
+    st = start_stage(args, first_stage="vae", init_from={"vae": STAGES, "dit": ("dit", "distill")})
     common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
     if args.stage == "vae":
         stats = train_vae(cfg, st.out, decoder_only=args.decoder_only, **common)

@@ -1,0 +1,200 @@
+"""`mmkv train all`: every stage of the tiny video and audio models in one resumable command.
+
+    mmkv train all --out DIR --budget 1500 [--video-init RUN] [--audio-init RUN]
+
+runs two lanes side by side (the tiny models are launch-bound, so one GPU has room for both; docs/training.md):
+
+* video: `train video --stage vae`, `dit`, `distill` (each `--from` the one before), then `eval video` on held-out
+  prompts (free rollouts, continuations of each clip's own first block, both with and without the past, and a random
+  DiT of the same architecture) into `DIR/video/eval.json`;
+* audio: `train audio --stage clap`, `sat`, `aar`, then `ship audio` into `DIR/audio/release/` (the bf16 release with
+  its `SHA256SUMS`, the layout `mmkv/assets/audio/` ships).
+
+Each stage is its own process (`DIR/<lane>/<stage>/`, its log beside it as `<stage>.log`) and gets a share of
+`--budget` seconds (`SHARES`). A stage whose `train.json` exists is done and is skipped on a rerun; a folder without
+one is what a killed stage left and is trained again from its start, so a run killed at any point and restarted
+finishes what is left. `DIR/plan.json` records the settings (and the SHA-256 of each init's `train.json`): a restart
+with other settings is refused. `--video-init` / `--audio-init` continue every stage of a lane from an earlier
+run's outputs (weights only, each stage with a new seed, as `--init` does): the latest trained models, which the
+repository keeps in `mmkv/assets/` (docs/decisions.md, "Trained weights are committed every session"), are such an
+init. Seeds: stage k of a lane draws with `--seed + k`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mmkv.pipelines.common import atomic_write_json, sha256_file
+
+LANES = ("video", "audio")
+STAGES = {"video": ("vae", "dit", "distill"), "audio": ("clap", "sat", "aar")}
+# The stages whose output holds every model of the lane, so that each stage can continue from it.
+INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}
+# Share of --budget each stage trains for. Video: the VAE and the DiT are the long stages (docs/training.md, the
+# fifth and sixth runs); eval runs after, unbudgeted (about 1-2 minutes on an H200). Audio: the SAT is the long one.
+SHARES = {"vae": 0.33, "dit": 0.45, "distill": 0.16, "clap": 0.08, "sat": 0.5, "aar": 0.36}
+
+
+def stage_done(folder: Path) -> bool:
+    return (folder / "train.json").is_file()
+
+
+def _python() -> list[str]:
+    return [sys.executable, "-m", "mmkv.cli"]
+
+
+def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[str, Path, list[str]]]:
+    """(step name, the folder or file it writes, command) for each step of a lane, in order."""
+    root = out / lane
+    init = getattr(args, f"{lane}_init")
+    device = ["--device", args.device] if args.device else []
+    steps: list[tuple[str, Path, list[str]]] = []
+    previous: Path | None = None
+    for k, stage in enumerate(STAGES[lane]):
+        folder = root / stage
+        cmd = _python() + ["train", lane, "--stage", stage, "--config", args.config, "--out", str(folder),
+                           "--seed", str(args.seed + k)] + device
+        if args.budget is not None:
+            cmd += ["--budget", f"{SHARES[stage] * args.budget:.0f}"]
+        if previous is not None:
+            cmd += ["--from", str(previous)]
+        if init is not None and not (lane == "video" and stage == "distill"):  # distill starts from its teacher
+            cmd += ["--init", str(init)]
+        steps.append((stage, folder, cmd))
+        previous = folder
+    if lane == "video" and args.eval_prompts:
+        from mmkv.pipelines.wan.train import get_config
+
+        cfg = get_config(args.config)
+        steps.append(("eval", root / "eval.json", _python() + [
+            "eval", "video", "--ckpt", str(previous / "causvid"), "--base", str(previous / "base"),
+            "-n", str(args.eval_prompts), "--frames", str(cfg.frames), "--height", str(cfg.height),
+            "--width", str(cfg.width), "--no-past", "--random-dit", "--given-first-block",
+            "--out", str(root / "eval.json")] + device))
+    if lane == "audio":
+        steps.append(("release", root / "release", _python() + [
+            "ship", "audio", "--aar", str(previous / f"AAR_{args.config}.pth"),
+            "--sat", str(previous / f"SAT_{args.config}.pth"), "--clap", str(previous / "clap"),
+            "--out", str(root / "release")]))
+    return steps
+
+
+def _finished(name: str, target: Path) -> bool:
+    if name == "eval":
+        return target.is_file()
+    if name == "release":
+        return (target / "SHA256SUMS").is_file()
+    return stage_done(target)
+
+
+def run_lane(lane: str, out: Path, args: argparse.Namespace, results: dict[str, str]) -> None:
+    """Run a lane's steps in order, skipping finished ones up to the first that is not; from there on every step
+    runs (its inputs are new), over whatever an earlier run left. A failed step stops the lane (its log says why)."""
+    fresh = False
+    for name, target, cmd in lane_commands(lane, out, args):
+        if not fresh and _finished(name, target):
+            print(f"[{lane}] {name}: done already ({target})", flush=True)
+            continue
+        fresh = True
+        if target.is_dir():  # what a killed stage left (no train.json: no usable weights), or outputs now stale
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        log = out / lane / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[{lane}] {name}: running, log {log}", flush=True)
+        t0 = time.perf_counter()
+        with log.open("a") as fh:
+            fh.write(f"$ {' '.join(cmd)}\n")
+            fh.flush()
+            code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        if code != 0:
+            results[lane] = f"{name} failed (exit {code}); see {log}"
+            print(f"[{lane}] {name}: FAILED (exit {code}) after {time.perf_counter() - t0:.0f} s; see {log}",
+                  flush=True)
+            return
+        print(f"[{lane}] {name}: finished in {time.perf_counter() - t0:.0f} s", flush=True)
+    results[lane] = "ok"
+
+
+def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
+    """The settings a restart must match: everything that changes what the stages compute."""
+    inits = {}
+    for lane in lanes:
+        init = getattr(args, f"{lane}_init")
+        if init is not None:
+            record = Path(init) / "train.json"
+            if not record.is_file():
+                raise ValueError(f"--{lane}-init {init} holds no train.json: give the output folder of a `mmkv "
+                                 f"train {lane}` stage (or of `mmkv train all`'s {lane}/ lane, one stage of it)")
+            stage = json.loads(record.read_text()).get("stage")
+            if stage not in INIT_STAGES[lane]:
+                raise ValueError(f"--{lane}-init {init} is the output of the {stage!r} stage; every {lane} stage "
+                                 f"continues from it only if it is a {' or '.join(INIT_STAGES[lane])} output")
+            inits[lane] = {"folder": str(Path(init).resolve()), "train_json_sha256": sha256_file(record)}
+    return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
+            "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits}
+
+
+def check_plan(out: Path, plan: dict) -> None:
+    path = out / "plan.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        diff = sorted(k for k in set(plan) | set(before) if plan.get(k) != before.get(k))
+        if diff:
+            what = "; ".join(f"{k}: {before.get(k)!r} then, {plan.get(k)!r} now" for k in diff)
+            raise ValueError(f"{out} was started with other settings ({what}); rerun with the same ones to resume, "
+                             "or choose another --out")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, plan)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="output folder (a rerun with the same settings resumes it)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="wall-clock seconds of training per lane, shared among its stages (default: every "
+                             "stage runs its config's steps)")
+    parser.add_argument("--lanes", default="video,audio", help="which lanes to run (default: %(default)s)")
+    parser.add_argument("--config", default="tiny", help="model shapes and settings of both lanes (tiny; micro is "
+                                                         "the CPU smoke test's)")
+    parser.add_argument("--seed", type=int, default=0, help="stage k of a lane draws with seed + k")
+    parser.add_argument("--video-init", default=None, metavar="DIR",
+                        help="continue the video stages from this earlier output (a dit or distill folder: its VAE, "
+                             "text encoder and DiT)")
+    parser.add_argument("--audio-init", default=None, metavar="DIR",
+                        help="continue the audio stages from this earlier output (an aar folder: its CLAP, SAT and "
+                             "AAR)")
+    parser.add_argument("--eval-prompts", type=int, default=32,
+                        help="held-out prompts `eval video` scores after distillation (0: no eval)")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    lanes = [x.strip() for x in args.lanes.split(",") if x.strip()]
+    bad = [x for x in lanes if x not in LANES]
+    if bad or not lanes or len(set(lanes)) != len(lanes):
+        raise ValueError(f"--lanes {args.lanes!r}: expected a comma-separated subset of {', '.join(LANES)}")
+    if args.budget is not None and args.budget <= 0:
+        raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.eval_prompts < 0:
+        raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
+    out = Path(args.out)
+    check_plan(out, plan_record(args, lanes))
+    results: dict[str, str] = {}
+    threads = [threading.Thread(target=run_lane, args=(lane, out, args, results)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = {lane: why for lane, why in results.items() if why != "ok"}
+    for lane in lanes:
+        print(f"{lane}: {results.get(lane, 'did not finish')}")
+    return 1 if failed or len(results) != len(lanes) else 0

@@ -1,0 +1,98 @@
+"""`mmkv train all` on the CPU (micro config): both lanes run every stage, the eval and the audio release; a rerun
+skips what is done, a killed stage is trained again with everything after it, and other settings are refused."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from mmkv.assets import trained_audio_assets
+from mmkv.cli import main
+from mmkv.pipelines import train_all
+
+
+def _argv(out, *extra):
+    return ["train", "all", "--out", str(out), "--config", "micro", "--device", "cpu", "--eval-prompts", "1",
+            *map(str, extra)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train_all") / "run"
+    assert main(_argv(out)) == 0
+    return out
+
+
+def _mtimes(root):
+    return {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.suffix != ".log"}
+
+
+def test_both_lanes_train_every_stage_then_eval_and_release(run):
+    for lane, stages in train_all.STAGES.items():
+        for k, stage in enumerate(stages):
+            rec = json.loads((run / lane / stage / "train.json").read_text())
+            assert rec["stage"] == stage and rec["seed"] == k and rec["steps"] > 0
+    assert json.loads((run / "video" / "dit" / "train.json").read_text())["source"] == str(run / "video" / "vae")
+    ev = json.loads((run / "video" / "eval.json").read_text())
+    assert {r["model"] for r in ev["runs"]} == {"trained", "random DiT"} and any(r["no_past"] for r in ev["runs"])
+    shipped = trained_audio_assets(run / "audio" / "release")  # checked against its SHA256SUMS
+    assert shipped is not None and (shipped["root"] / "AAR_micro.pth").is_file()
+    assert json.loads((run / "plan.json").read_text())["lanes"] == ["video", "audio"]
+
+
+def test_a_rerun_with_the_same_settings_skips_what_is_done(run, capsys):
+    before = _mtimes(run)
+    assert main(_argv(run)) == 0
+    assert _mtimes(run) == before
+    assert capsys.readouterr().out.count("done already") == 8  # 3 + eval, 3 + release
+
+
+def test_a_killed_stage_is_trained_again_with_every_step_after_it(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "video" / "distill" / "train.json").unlink()  # as a stage killed before its end leaves its folder
+    (copy / "video" / "distill" / "stale").write_text("left by the killed run")
+    before = _mtimes(copy)
+    assert main(_argv(copy)) == 0
+    after = _mtimes(copy)
+    assert not (copy / "video" / "distill" / "stale").exists()
+    assert (copy / "video" / "distill" / "train.json").is_file()
+    assert after[copy / "video" / "eval.json"] > before[copy / "video" / "eval.json"]  # its input changed
+    untouched = [p for p in before if "distill" not in p.parts and p.name != "eval.json"]
+    assert all(after[p] == before[p] for p in untouched)
+
+
+def test_other_settings_on_a_started_run_are_refused(run, capsys):
+    assert main(_argv(run, "--seed", "1")) == 2
+    assert "started with other settings (seed: 0 then, 1 now)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, match", [
+    (["--lanes", "video,speech"], "--lanes"), (["--budget", "0"], "--budget"), (["--eval-prompts", "-1"], "eval"),
+])
+def test_bad_arguments_are_named(tmp_path, capsys, bad, match):
+    assert main(_argv(tmp_path / "x", *bad)) == 2
+    assert match in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_an_init_must_hold_every_model_of_its_lane(run, tmp_path, capsys):
+    assert main(_argv(tmp_path / "x", "--video-init", run / "video" / "vae")) == 2
+    assert "is the output of the 'vae' stage" in capsys.readouterr().err
+    assert main(_argv(tmp_path / "y", "--audio-init", run / "audio" / "release")) == 2  # a release: no train.json
+    assert "holds no train.json" in capsys.readouterr().err
+
+
+def test_an_init_continues_every_stage_but_distillation(run, tmp_path):
+    args = argparse.Namespace(config="micro", seed=4, device="cpu", budget=600.0, eval_prompts=2,
+                              video_init=str(run / "video" / "distill"), audio_init=str(run / "audio" / "aar"))
+    for lane in train_all.LANES:
+        steps = train_all.lane_commands(lane, tmp_path, args)
+        for (name, _, cmd), k in zip(steps, range(len(train_all.STAGES[lane]))):
+            assert cmd[cmd.index("--seed") + 1] == str(4 + k)
+            assert float(cmd[cmd.index("--budget") + 1]) == pytest.approx(600 * train_all.SHARES[name], abs=1)
+            assert ("--init" in cmd) == (name != "distill")
+    assert sum(train_all.SHARES[s] for s in train_all.STAGES["video"]) < 1  # room for the eval
+    assert sum(train_all.SHARES[s] for s in train_all.STAGES["audio"]) < 1  # and the release
