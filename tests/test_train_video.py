@@ -52,6 +52,24 @@ def test_teacher_forcing_mask_is_block_causal_with_the_noisy_copy_seeing_only_ea
     assert framewise[noisy(4), clean(3)].all() and not framewise[noisy(4), noisy(3)].any()
 
 
+@pytest.mark.parametrize("frames, fpb", [(6, 3), (7, 3), (5, 1)])
+def test_blockwise_teacher_forcing_attention_equals_the_masked_one(frames, fpb):
+    """`TeacherForcing.attend` (unmasked SDPA a block) gives the masked SDPA's output and gradients, a last block
+    shorter than the others included."""
+    layout = train.TeacherForcing(frames, fpb, tokens_per_frame=5)
+    q, k, v = (torch.randn(2, 3, 2 * frames * 5, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask())
+    out = layout.attend(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    grads_ref = torch.autograd.grad(ref, (q, k, v), g)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="needs 2 x"):
+        layout.attend(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:])
+
+
 def test_noisy_copy_reuses_the_clean_rope_indices():
     """With frame_positions [0..F-1, 0..F-1] a noisy frame gets the same rotary table row as its clean frame."""
     dit = train.build_dit(train.get_config("micro"), seed=0)
@@ -197,6 +215,9 @@ def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
     mask = train.teacher_forcing_mask(f, fpb, dit.tokens_per_frame(h, w))
     with torch.no_grad():
         full = train.teacher_forced_flow(dit, clean, noisy, t, context, mask)
+        blockwise = train.teacher_forced_flow(dit, clean, noisy, t, context,
+                                              train.TeacherForcing(f, fpb, dit.tokens_per_frame(h, w)))
+        torch.testing.assert_close(blockwise, full, rtol=1e-4, atol=1e-4)  # what training runs
         first = train.first_block_flow(dit, noisy[:, :fpb], t[:, :fpb], context)
         store = KVStore(CacheConfig(codec=None, residual_window=f), num_layers=dit.num_layers,
                         num_heads=dit.num_heads, head_dim=dit.head_dim)

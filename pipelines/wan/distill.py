@@ -18,9 +18,9 @@ from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.loop import get_preset
 from mmkv.pipelines.wan.release import write_release
 from mmkv.pipelines.wan.train import (
-    VideoTrainConfig, _load_release, shifted_sigmas, teacher_forced_flow, teacher_forcing_mask, text_states, tokenize,
-    training_seeds,
+    VideoTrainConfig, _load_release, shifted_sigmas, teacher_forced_flow, text_states, tokenize, training_seeds,
 )
+from mmkv.pipelines.wan.model import TeacherForcing
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 3: ODE distillation for the few-step loops
@@ -136,7 +136,7 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     student.state.cache_cross_attn = False
     ema = frozen_copy(student)
     tpf = student.tokens_per_frame(shape[1], shape[2])
-    masks = {fpb: teacher_forcing_mask(f, fpb, tpf, device) for fpb in trajectories}
+    masks = {fpb: TeacherForcing(f, fpb, tpf) for fpb in trajectories}
     train_gen = torch.Generator().manual_seed(seed + 22)
 
     def loss_fn(step: int) -> torch.Tensor:

@@ -42,13 +42,51 @@ class CausalState:
     start_frame: int = 0  # absolute latent-frame index of the first frame in this call
     num_frames: int = 0  # latent frames in this call (the commit pass appends this many units)
     mode: str = "denoise"
-    attn_mask: torch.Tensor | None = None  # `full` mode only: bool [L, L], True = may attend
+    # `full` mode only: bool [L, L] (True = may attend), or the teacher-forcing pattern computed block by block.
+    attn_mask: torch.Tensor | TeacherForcing | None = None
     # `full` mode only: the RoPE time index of each latent frame of the call (None = start_frame, start_frame + 1,
     # ...). Teacher forcing feeds [clean frames | noisy copies] and the copies reuse the clean frames' indices
     # (Self-Forcing `wan/modules/causal_model.py`, `_prepare_teacher_forcing_mask`).
     frame_positions: torch.Tensor | None = None
     cache_cross_attn: bool = True
     cross_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TeacherForcing:
+    """The attention pattern of a teacher-forced sequence [clean frames | their noisy copies] (Self-Forcing
+    `wan/modules/causal_model.py`, `_prepare_teacher_forcing_mask`): clean block j sees clean blocks <= j, noisy
+    block j sees clean blocks < j and itself. `mask` is that pattern as a dense bool [2L, 2L]; `attend` computes the
+    same attention block by block with unmasked SDPA calls, so the 71% of the score matrix the mask forbids (7
+    blocks) is never computed and the calls may take the fused kernels that a mask rules out."""
+
+    num_frames: int
+    frames_per_block: int
+    tokens_per_frame: int
+
+    def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        block = (torch.arange(self.num_frames, device=device) // self.frames_per_block).repeat_interleave(
+            self.tokens_per_frame)
+        q, k = block.unsqueeze(1), block.unsqueeze(0)
+        top = torch.cat([q >= k, torch.zeros_like(q >= k)], dim=1)
+        bottom = torch.cat([q > k, q == k], dim=1)
+        return torch.cat([top, bottom], dim=0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA over q, k, v [B, H, 2L, D] under `mask()`, block by block."""
+        n = self.num_frames * self.tokens_per_frame
+        if q.shape[2] != 2 * n or k.shape[2] != 2 * n:
+            raise ModelError(f"teacher forcing over {self.num_frames} frames of {self.tokens_per_frame} tokens "
+                             f"needs 2 x {n} tokens, got {q.shape[2]}")
+        step = self.frames_per_block * self.tokens_per_frame
+        clean, noisy = [], []
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            clean.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e]))
+            keys = torch.cat([k[:, :, :s], k[:, :, n + s:n + e]], dim=2)
+            values = torch.cat([v[:, :, :s], v[:, :, n + s:n + e]], dim=2)
+            noisy.append(F.scaled_dot_product_attention(q[:, :, n + s:n + e], keys, values))
+        return torch.cat(clean + noisy, dim=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,7 +195,10 @@ class CausalSelfAttnProcessor:
             observer(self.layer, state.mode, q, k_pre_rope.transpose(1, 2), k, v)
         if state.mode == "full":
             mask = state.attn_mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if isinstance(mask, TeacherForcing):
+                out = mask.attend(q, k, v)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             store = getattr(attn, "mmkv_store", None)
             if store is None:
@@ -252,7 +293,7 @@ class CausalWan(nn.Module):
         self.state.cross_kv.clear()
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor | float, context: torch.Tensor, *,
-                start_frame: int = 0, mode: str = "denoise", attn_mask: torch.Tensor | None = None,
+                start_frame: int = 0, mode: str = "denoise", attn_mask: torch.Tensor | TeacherForcing | None = None,
                 frame_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Flow prediction for `latents` [B, F, C, H, W] at absolute frames [start_frame, start_frame + F).
 

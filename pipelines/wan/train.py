@@ -40,6 +40,7 @@ from mmkv.pipelines.training import (
     start_stage,
 )
 from mmkv.pipelines.wan import scenes
+from mmkv.pipelines.wan.model import TeacherForcing
 from mmkv.pipelines.wan.release import write_release  # noqa: F401  (re-exported: train.write_release)
 
 STAGES = ("vae", "dit", "distill")
@@ -269,15 +270,9 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
 def teacher_forcing_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int,
                          device: torch.device | str = "cpu") -> torch.Tensor:
     """Bool [2L, 2L] over [clean frames | noisy copies] (True = may attend): clean block j sees clean blocks <= j;
-    noisy block j sees clean blocks < j and its own noisy block (Self-Forcing `_prepare_teacher_forcing_mask`)."""
-    block = (torch.arange(num_frames, device=device) // frames_per_block).repeat_interleave(tokens_per_frame)
-    q, k = block.unsqueeze(1), block.unsqueeze(0)
-    clean_clean = q >= k
-    noisy_clean = q > k
-    noisy_noisy = q == k
-    top = torch.cat([clean_clean, torch.zeros_like(clean_clean)], dim=1)
-    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
-    return torch.cat([top, bottom], dim=0)
+    noisy block j sees clean blocks < j and its own noisy block (Self-Forcing `_prepare_teacher_forcing_mask`).
+    Training passes `TeacherForcing` itself, which computes this pattern block by block."""
+    return TeacherForcing(num_frames, frames_per_block, tokens_per_frame).mask(device)
 
 
 def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -286,9 +281,9 @@ def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def teacher_forced_flow(dit, clean: torch.Tensor, noisy: torch.Tensor, t_frames: torch.Tensor,
-                        context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                        context: torch.Tensor, mask: torch.Tensor | TeacherForcing) -> torch.Tensor:
     """The DiT's flow for `noisy` [B, F, C, h, w] at per-frame timesteps `t_frames` [B, F], each block seeing the
-    clean blocks before it (`teacher_forcing_mask`)."""
+    clean blocks before it (`TeacherForcing`, or its dense `teacher_forcing_mask`)."""
     b, f = clean.shape[:2]
     inputs = torch.cat([clean, noisy], dim=1)
     timestep = torch.cat([torch.zeros_like(t_frames), t_frames], dim=1)
@@ -574,7 +569,7 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
     ema_dit, ema_enc = frozen_copy(dit), frozen_copy(encoder)
     f = data.shape[1]
     tpf = dit.tokens_per_frame(data.shape[3], data.shape[4])
-    masks = {fpb: teacher_forcing_mask(f, fpb, tpf, device) for fpb in (cfg.frames_per_block, 1)}
+    masks = {fpb: TeacherForcing(f, fpb, tpf) for fpb in (cfg.frames_per_block, 1)}
     gen = torch.Generator(device=device).manual_seed(seed + 10)
     cpu_gen = torch.Generator().manual_seed(seed + 11)
 
