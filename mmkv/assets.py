@@ -3,12 +3,10 @@
 The trained tiny video model (docs/training.md) ships as `mmkv/assets/video/`, the release layout `mmkv train video`
 writes: `base/` (a diffusers Wan folder: VAE, umT5 encoder, tokenizer, DiT config) and `causvid/model.pt` (the DiT as
 CausVid's `{"generator": ...}`, read by both the chunk-wise and the frame-wise loops), beside `SHA256SUMS`, which
-records every file in `sha256sum` format (`<hex>  <path relative to the folder>` a line). Shipping new weights is
-copying the two folders and writing the sums:
-
-    cd mmkv/assets/video && find base causvid -type f | sort | xargs sha256sum > SHA256SUMS
-
-(or `record_sums(folder)`). Every file is checked on use, so a truncated download or a file swapped after install is
+records every file in `sha256sum` format (`<hex>  <path relative to the folder>` a line), and the `train.json` of
+the stage that made it (how it was trained; with it the folder is also an `--init` for more training). Shipping new
+weights is `mmkv ship video --from DISTILL_OUTPUT --out mmkv/assets/video`, which copies the three and writes the
+sums (`record_sums(folder)`). Every file is checked on use, so a truncated download or a file swapped after install is
 refused rather than rendered.
 
 The trained tiny audio models (docs/training.md) will ship the same way as `mmkv/assets/audio/`, the folder

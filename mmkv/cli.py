@@ -25,6 +25,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("train", "video"), "mmkv.pipelines.wan.train", "train the tiny video models on procedural clips (CUDA)"),
     (("train", "audio"), "mmkv.pipelines.aar.train", "train the tiny audio models (CLAP, SAT, AAR) on procedural clips"),
     (("train", "all"), "mmkv.pipelines.train_all", "every stage of both, side by side, resumable, then eval and release"),
+    (("ship", "video"), "mmkv.pipelines.wan.release", "copy a trained video release into an asset folder (SHA256SUMS)"),
     (("ship", "audio"), "mmkv.pipelines.aar.release", "write the bf16 release folder of trained audio models (SHA256SUMS)"),
     (("eval", "video"), "mmkv.pipelines.wan.evaluate", "prompt adherence of a video model on held-out procedural prompts"),
     (("codebooks", "build"), "mmkv.codecs.codebooks", "regenerate the shipped Lloyd-Max codebooks"),

@@ -183,6 +183,30 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
     assert np.abs(given[:9].astype(int) - own).max() <= 1  # the same decode, up to a convolution path's rounding
 
 
+def test_ship_video_copies_a_release_the_asset_check_and_the_loaders_accept(stages, tmp_path, capsys):
+    from mmkv.assets import trained_video_assets
+    from mmkv.cli import main
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    root = stages[0]
+    dest = tmp_path / "assets" / "video"
+    assert main(["ship", "video", "--from", str(root / "distill"), "--out", str(dest)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    shipped = trained_video_assets(dest)  # every file recorded and matching
+    assert shipped is not None and (dest / "train.json").read_bytes() == (root / "distill" / "train.json").read_bytes()
+    assert (dest / "causvid" / "model.pt").read_bytes() == (root / "distill" / "causvid" / "model.pt").read_bytes()
+    load_wan(shipped["causvid"], shipped["base"], device="cpu")
+    again = tmp_path / "again"
+    main(["ship", "video", "--from", str(root / "distill"), "--out", str(again)])
+    assert (again / "SHA256SUMS").read_bytes() == (dest / "SHA256SUMS").read_bytes()  # identical bytes
+    # the shipped folder is an init the training commands accept (it holds the distill stage's train.json)
+    assert json.loads((dest / "train.json").read_text())["stage"] == "distill"
+    assert main(["ship", "video", "--from", str(root / "distill"), "--out", str(dest)]) == 2  # not empty
+    assert "not an empty folder" in capsys.readouterr().err
+    assert main(["ship", "video", "--from", str(root / "vae"), "--out", str(tmp_path / "x")]) == 2
+    assert "dit or distill stage" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
 def test_summary_counts_a_missing_object_as_wrong():
     from mmkv.pipelines.wan.evaluate import summarize
 

@@ -1,5 +1,5 @@
 """The release layout `mmkv train video` writes and `mmkv generate video` reads: a diffusers Wan base folder and a
-CausVid-style `model.pt`."""
+CausVid-style `model.pt`; and `mmkv ship video`, which copies one into an asset folder with its SHA-256 sums."""
 
 from __future__ import annotations
 
@@ -55,3 +55,64 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
 
 def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
     return frozen_copy(module).to("cpu", torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `mmkv ship video`: a trained release into the package's asset folder
+
+
+RELEASE_PARTS = ("base", "causvid", "train.json")
+
+
+def ship_video(source: str | Path, dest: str | Path) -> Path:
+    """Copy the release of a `dit` or `distill` stage output (`base/`, `causvid/model.pt`, and its `train.json`, the
+    record of how it was trained, which also lets `mmkv train ... --init` continue from the shipped folder) to
+    `dest` with its `SHA256SUMS` (`mmkv.assets.record_sums`), the layout `mmkv.assets.trained_video_assets` checks.
+    The release is loaded through the loaders first, so one that would not load is refused before anything is
+    written; everything is written into a hidden folder beside `dest` and renamed onto it at the end. `dest` must
+    not exist or be empty."""
+    import os
+
+    from mmkv.assets import record_sums
+    from mmkv.pipelines.files import RunError
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    source, dest = Path(source), Path(dest)
+    record = source / "train.json"
+    stage = json.loads(record.read_text()).get("stage") if record.is_file() else None
+    if stage not in ("dit", "distill"):
+        raise RunError(f"--from {source} is not the output of a `mmkv train video` dit or distill stage (its "
+                       f"train.json names {stage!r}); give the folder holding base/, causvid/ and train.json")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise RunError(f"--out {dest} exists and is not an empty folder; give a new (or empty) folder for the release")
+    load_wan(source / "causvid", source / "base", device="cpu", dtype=torch.float32)  # refuses what cannot load
+    staging = dest.parent / f".{dest.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a killed run
+    staging.mkdir(parents=True)
+    try:
+        shutil.copytree(source / "base", staging / "base")
+        shutil.copytree(source / "causvid", staging / "causvid")
+        shutil.copy2(record, staging / "train.json")
+        record_sums(staging)
+        os.replace(staging, dest)  # an empty dest folder is replaced too
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return dest
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--from", dest="source", required=True, metavar="DIR",
+                        help="a `mmkv train video` distill (or dit) output folder")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="release folder to create (new or empty), e.g. mmkv/assets/video/")
+
+
+def run(args) -> int:
+    dest = ship_video(args.source, args.out)
+    files = sorted(p for p in dest.rglob("*") if p.is_file())
+    for p in files:
+        print(f"  {p.stat().st_size:>10,d}  {p.relative_to(dest)}")
+    print(f"wrote {dest}/: {len(files)} files, {sum(p.stat().st_size for p in files) / 1e6:.2f} MB")
+    return 0
