@@ -23,6 +23,7 @@ init. Seeds: stage k of a lane draws with `--seed + k`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 from mmkv.pipelines.common import atomic_write_json, sha256_file
 
 LANES = ("video", "audio")
+TRAIN_MODULES = {"video": "mmkv.pipelines.wan.train", "audio": "mmkv.pipelines.aar.train"}
 STAGES = {"video": ("vae", "dit", "distill"), "audio": ("clap", "sat", "aar")}
 # The stages whose output holds every model of the lane, so that each stage can continue from it.
 INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}
@@ -67,6 +69,8 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
             cmd += ["--from", str(previous)]
         if init is not None and not (lane == "video" and stage == "distill"):  # distill starts from its teacher
             cmd += ["--init", str(init)]
+        for item in getattr(args, f"{lane}_set"):
+            cmd += ["--set", item]
         steps.append((stage, folder, cmd))
         previous = folder
     if lane == "video" and args.eval_prompts:
@@ -139,8 +143,9 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
                 raise ValueError(f"--{lane}-init {init} is the output of the {stage!r} stage; every {lane} stage "
                                  f"continues from it only if it is a {' or '.join(INIT_STAGES[lane])} output")
             inits[lane] = {"folder": str(Path(init).resolve()), "train_json_sha256": sha256_file(record)}
+    sets = {lane: list(getattr(args, f"{lane}_set")) for lane in lanes if getattr(args, f"{lane}_set")}
     return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
-            "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits}
+            "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets}
 
 
 def check_plan(out: Path, plan: dict) -> None:
@@ -172,6 +177,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--audio-init", default=None, metavar="DIR",
                         help="continue the audio stages from this earlier output (an aar folder: its CLAP, SAT and "
                              "AAR)")
+    for lane in LANES:
+        parser.add_argument(f"--{lane}-set", action="append", default=[], metavar="FIELD=VALUE",
+                            help=f"override a config field in every {lane} stage (repeatable; `mmkv train {lane} "
+                                 "--set`): arms of a sweep are runs with other --out folders, side by side")
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -186,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
     if args.eval_prompts < 0:
         raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
+    for lane in lanes:  # a bad config name or field fails here, not minutes later in a stage's process
+        train = importlib.import_module(TRAIN_MODULES[lane])
+        try:
+            train.parse_overrides(train.get_config(args.config), getattr(args, f"{lane}_set"))
+        except ValueError as err:
+            raise ValueError(f"{lane} lane: {err}") from None
     out = Path(args.out)
     check_plan(out, plan_record(args, lanes))
     results: dict[str, str] = {}

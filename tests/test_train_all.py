@@ -72,6 +72,8 @@ def test_other_settings_on_a_started_run_are_refused(run, capsys):
 
 @pytest.mark.parametrize("bad, match", [
     (["--lanes", "video,speech"], "--lanes"), (["--budget", "0"], "--budget"), (["--eval-prompts", "-1"], "eval"),
+    (["--video-set", "first_block_share"], "video lane: --set"), (["--audio-set", "no_such=1"], "audio lane"),
+    (["--config", "huge"], "unknown training config"),
 ])
 def test_bad_arguments_are_named(tmp_path, capsys, bad, match):
     assert main(_argv(tmp_path / "x", *bad)) == 2
@@ -87,12 +89,16 @@ def test_an_init_must_hold_every_model_of_its_lane(run, tmp_path, capsys):
 
 def test_an_init_continues_every_stage_but_distillation(run, tmp_path):
     args = argparse.Namespace(config="micro", seed=4, device="cpu", budget=600.0, eval_prompts=2,
-                              video_init=str(run / "video" / "distill"), audio_init=str(run / "audio" / "aar"))
+                              video_init=str(run / "video" / "distill"), audio_init=str(run / "audio" / "aar"),
+                              video_set=["first_block_share=0.8"], audio_set=[])
     for lane in train_all.LANES:
         steps = train_all.lane_commands(lane, tmp_path, args)
         for (name, _, cmd), k in zip(steps, range(len(train_all.STAGES[lane]))):
             assert cmd[cmd.index("--seed") + 1] == str(4 + k)
             assert float(cmd[cmd.index("--budget") + 1]) == pytest.approx(600 * train_all.SHARES[name], abs=1)
             assert ("--init" in cmd) == (name != "distill")
+            assert ("--set" in cmd) == (lane == "video")
+    plan = train_all.plan_record(args, list(train_all.LANES))
+    assert plan["overrides"] == {"video": ["first_block_share=0.8"]} and set(plan["inits"]) == {"video", "audio"}
     assert sum(train_all.SHARES[s] for s in train_all.STAGES["video"]) < 1  # room for the eval
     assert sum(train_all.SHARES[s] for s in train_all.STAGES["audio"]) < 1  # and the release
