@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import os
 import re
+import shutil
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Iterator
 
 VIDEO_ASSETS = Path(__file__).resolve().parent / "assets" / "video"
 AUDIO_ASSETS = Path(__file__).resolve().parent / "assets" / "audio"
@@ -57,6 +60,34 @@ def record_sums(root: str | Path) -> Path:
     root = Path(root)
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != SUMS)
     return atomic_write_text(root / SUMS, "".join(f"{sha256_file(root / f)}  {f}\n" for f in files))
+
+
+def check_release_dest(dest: Path) -> None:
+    """Refuse a release destination that holds anything (a release is written whole, never merged)."""
+    from mmkv.pipelines.files import RunError
+
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise RunError(f"--out {dest} exists and is not an empty folder; give a new (or empty) folder for the release")
+
+
+@contextmanager
+def release_folder(dest: str | Path) -> Iterator[Path]:
+    """Write a release folder whole or not at all: yields a hidden staging folder beside `dest` (new or empty);
+    when the block ends without error, records its SHA256SUMS (`record_sums`) and renames it onto `dest`; a failure
+    (or a kill: the next call clears it) leaves no half release."""
+    dest = Path(dest)
+    check_release_dest(dest)
+    staging = dest.parent / f".{dest.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)  # left by a killed run
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        record_sums(staging)
+        os.replace(staging, dest)  # an empty dest folder is replaced too
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
 
 
 def checked_assets(root: Path, required: tuple[str, ...], required_prefix: str | None = None

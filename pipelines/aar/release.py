@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from mmkv.io import atomic_write_bytes, save_pretrained
-from mmkv.pipelines.files import RunError
 from mmkv.pipelines.aar.loaders import (
     AAR_CONTAINER_KEY, SAT_CONTAINER_KEY, CheckpointError, load_aar, load_sat, read_state_dict, release_drops,
 )
@@ -74,32 +72,22 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
     """Write the bf16 release of an AAR checkpoint, its SAT and CLAP folder to `dest` (see the module docstring);
     returns `dest`. Raises CheckpointError for inputs that do not load or do not belong together, RunError for a
     non-empty `dest`."""
-    from mmkv.assets import record_sums
+    from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.aar.loaders import check_pair
 
     aar, sat, clap, dest = Path(aar), Path(sat), Path(clap), Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise RunError(f"--out {dest} exists and is not an empty folder; give a new (or empty) folder for the release")
+    check_release_dest(dest)
     for path, what in ((aar, "--aar"), (sat, "--sat")):
         if not path.is_file():
             raise CheckpointError(f"{what} {path} is not a checkpoint file (expected AAR_*.pth / SAT_*.pth)")
     aar_model = load_aar(aar)  # refuses what the release could not load, before anything is written
     check_pair(aar_model, load_sat(sat, multi_scale=aar_model.patch_nums), aar, sat)
-    stage = dest.parent / f".{dest.name}.partial"
-    if stage.exists():
-        shutil.rmtree(stage)  # left by a killed run
-    stage.mkdir(parents=True)
-    try:
+    with release_folder(dest) as stage:
         _save_checkpoint(release_state(read_state_dict(aar, AAR_CONTAINER_KEY), "AAR"), AAR_CONTAINER_KEY,
                          stage / _release_name(aar, "AAR"))
         _save_checkpoint(release_state(read_state_dict(sat, SAT_CONTAINER_KEY), "SAT"), SAT_CONTAINER_KEY,
                          stage / _release_name(sat, "SAT"))
         _ship_clap(clap, stage / "clap")
-        record_sums(stage)
-        os.replace(stage, dest)  # an empty dest folder is replaced too
-    finally:
-        if stage.exists():
-            shutil.rmtree(stage)
     return dest
 
 

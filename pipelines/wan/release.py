@@ -71,9 +71,7 @@ def ship_video(source: str | Path, dest: str | Path) -> Path:
     The release is loaded through the loaders first, so one that would not load is refused before anything is
     written; everything is written into a hidden folder beside `dest` and renamed onto it at the end. `dest` must
     not exist or be empty."""
-    import os
-
-    from mmkv.assets import record_sums
+    from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.files import RunError
     from mmkv.pipelines.wan.loaders import load_wan
 
@@ -83,22 +81,12 @@ def ship_video(source: str | Path, dest: str | Path) -> Path:
     if stage not in ("dit", "distill"):
         raise RunError(f"--from {source} is not the output of a `mmkv train video` dit or distill stage (its "
                        f"train.json names {stage!r}); give the folder holding base/, causvid/ and train.json")
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise RunError(f"--out {dest} exists and is not an empty folder; give a new (or empty) folder for the release")
+    check_release_dest(dest)
     load_wan(source / "causvid", source / "base", device="cpu", dtype=torch.float32)  # refuses what cannot load
-    staging = dest.parent / f".{dest.name}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)  # left by a killed run
-    staging.mkdir(parents=True)
-    try:
+    with release_folder(dest) as staging:
         shutil.copytree(source / "base", staging / "base")
         shutil.copytree(source / "causvid", staging / "causvid")
         shutil.copy2(record, staging / "train.json")
-        record_sums(staging)
-        os.replace(staging, dest)  # an empty dest folder is replaced too
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return dest
 
 
