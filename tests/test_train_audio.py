@@ -89,6 +89,28 @@ def test_train_json_reports_the_held_out_scores(stages):
     assert aar["rollouts"]["clips"] == CFG.eval_rollouts and aar["rollouts"]["finite"]
     lagged = aar["rollouts"]["direction_glide_lag"]  # the first held-out clip is a chirp
     assert lagged["lag"] == train.ROLLOUT_GLIDE_LAG and lagged["clips"] >= 1 and 0 <= lagged["ok"] <= 1
+    for control in ("rollouts_no_past", "rollouts_random_aar"):  # does it read its cache; chance
+        assert aar[control]["clips"] == CFG.eval_rollouts and aar[control]["finite"]
+        assert 0 <= aar[control]["adherence"] <= 1
+
+
+def test_the_no_past_control_removes_only_what_attention_reads_of_earlier_scales(models):
+    """A native store gives the model's own cache's tokens; emptied after every scale, scale 0 (which has no past) is
+    unchanged and a later scale's logits are not."""
+    from mmkv.cache import CacheConfig, KVStore
+    from mmkv.pipelines.aar.sample import rollout
+
+    aar, sat = models
+    cond = torch.nn.functional.normalize(torch.randn(3, 512, generator=torch.Generator().manual_seed(1)), dim=-1)
+    store = KVStore(CacheConfig(codec=None, residual_window=1), num_layers=aar.depth, num_heads=aar.num_heads,
+                    head_dim=aar.config.head_dim)
+    own = rollout(aar, sat, cond, seed=5, key="k")
+    native = rollout(aar, sat, cond, seed=5, key="k", store=store)
+    assert native.tokens_sha256 == own.tokens_sha256
+    cut = rollout(aar, sat, cond, seed=5, key="k", store=store, on_scale=lambda si: store.reset())
+    assert cut.scale_logits_sha256[0] == own.scale_logits_sha256[0]
+    assert all(a != b for a, b in zip(cut.scale_logits_sha256[1:], own.scale_logits_sha256[1:]))
+    assert cut.noise_sha256 == own.noise_sha256  # the same sampling draws
 
 
 def test_the_output_loads_through_the_loaders_and_the_clap_embedder_and_rolls_out(stages, models):

@@ -420,8 +420,13 @@ def evaluate_aar(aar: AAR, sat: SAT, clap_model, extractor, cfg: AudioTrainConfi
         result[f"ce_{name}_per_scale"] = [round(float(c.mean() / len(held)), 4) for c in ce.split(splits)]
         result[f"accuracy_{name}_per_scale"] = [round(float(r.mean() / len(held)), 4) for r in right.split(splits)]
     if cfg.eval_rollouts:
-        result["rollouts"] = rollout_adherence(aar, sat, conds[:cfg.eval_rollouts], held[:cfg.eval_rollouts], cfg,
-                                               seed)
+        n = cfg.eval_rollouts
+        result["rollouts"] = rollout_adherence(aar, sat, conds[:n], held[:n], cfg, seed)
+        # Controls: the same rollouts with every scale attending only to itself (does the model read its cache?),
+        # and a random AAR of the same architecture (chance).
+        result["rollouts_no_past"] = rollout_adherence(aar, sat, conds[:n], held[:n], cfg, seed, no_past=True)
+        random_aar = init_aar(aar_config(cfg), seed + 1).to(conds.device).eval()
+        result["rollouts_random_aar"] = rollout_adherence(random_aar, sat, conds[:n], held[:n], cfg, seed)
     return result
 
 
@@ -431,14 +436,21 @@ ROLLOUT_GLIDE_LAG = 8
 
 
 def rollout_adherence(aar: AAR, sat: SAT, conds: torch.Tensor, held: list[sounds.Sound], cfg: AudioTrainConfig,
-                      seed: int) -> dict[str, Any]:
+                      seed: int, no_past: bool = False) -> dict[str, Any]:
     """One rollout per held-out clip (native cache, the pipeline's sampling), scored against the clip's caption;
-    `direction_glide_lag` scores the chirps' direction again with glide steps of ROLLOUT_GLIDE_LAG frames."""
+    `direction_glide_lag` scores the chirps' direction again with glide steps of ROLLOUT_GLIDE_LAG frames. With
+    `no_past` the cache is emptied after every scale, so each scale attends only to itself (its input, the partial
+    latent of the scales before, still carries them: the control removes what attention reads, as the video
+    eval's `--no-past` does); the sampling draws are the same."""
+    from mmkv.cache import CacheConfig, KVStore
     from mmkv.metrics.audio_adherence import Thresholds
     from mmkv.pipelines.aar.sample import rollout
     from mmkv.pipelines.aar.sat_training import adherence_summary
 
-    out = rollout(aar, sat, conds, seed=seed, key="train-heldout")
+    store = KVStore(CacheConfig(codec=None, residual_window=1), num_layers=aar.depth, num_heads=aar.num_heads,
+                    head_dim=aar.config.head_dim)
+    out = rollout(aar, sat, conds, seed=seed, key="train-heldout", store=store,
+                  on_scale=(lambda si: store.reset()) if no_past else None)
     waves = out.audio[:, 0].numpy()
     lagged = adherence_summary(waves, held, cfg.sample_rate, Thresholds(glide_lag=ROLLOUT_GLIDE_LAG))
     direction = lagged["per_attribute"].get("direction")
