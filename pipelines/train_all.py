@@ -13,7 +13,8 @@ runs two lanes side by side (the tiny models are launch-bound, so one GPU has ro
 Each stage is its own process (`DIR/<lane>/<stage>/`, its log beside it as `<stage>.log`) and gets a share of
 `--budget` seconds (`SHARES`). A stage whose `train.json` exists is done and is skipped on a rerun; a folder without
 one is what a killed stage left and is trained again from its start, so a run killed at any point and restarted
-finishes what is left. `DIR/plan.json` records the settings (and the SHA-256 of each init's `train.json`): a restart
+finishes what is left. At the end every finished step's headline numbers are printed and written to
+`DIR/summary.txt`. `DIR/plan.json` records the settings (and the SHA-256 of each init's `train.json`): a restart
 with other settings is refused. `--video-init` / `--audio-init` continue every stage of a lane from an earlier
 run's outputs (weights only, each stage with a new seed, as `--init` does): the latest trained models, which the
 repository keeps in `mmkv/assets/` (docs/decisions.md, "Trained weights are committed every session"), are such an
@@ -32,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from mmkv.pipelines.common import atomic_write_json, sha256_file
+from mmkv.pipelines.common import atomic_write_json, atomic_write_text, sha256_file
 
 LANES = ("video", "audio")
 TRAIN_MODULES = {"video": "mmkv.pipelines.wan.train", "audio": "mmkv.pipelines.aar.train"}
@@ -128,6 +129,52 @@ def run_lane(lane: str, out: Path, args: argparse.Namespace, results: dict[str, 
     results[lane] = "ok"
 
 
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _loss(rec: dict) -> str:
+    curve = rec.get("loss_curve") or [[0, float("nan")]]
+    return f"{rec['steps']} steps ({rec['planned_steps']} planned), {rec['ms_per_step']} ms a step, loss {curve[-1][1]:.4g}"
+
+
+def summary_lines(out: Path) -> list[str]:
+    """The headline of every finished step, one line each (what a GPU session's last call prints)."""
+    lines = []
+    for lane in LANES:
+        for stage in STAGES[lane]:
+            rec = _read(out / lane / stage / "train.json")
+            if rec is None:
+                continue
+            extra = ""
+            if stage == "vae":
+                extra = f"; held-out PSNR {rec['held_out_psnr_db']} dB, object {rec['held_out']['object_psnr_db']} dB"
+            elif stage == "clap":
+                extra = f"; retrieval, all named: {rec['retrieval']['text_to_audio_top1']['all_named']['accuracy']}"
+            elif stage == "sat":
+                h = rec["heldout"]
+                extra = (f"; SI-SNR {h['si_snr_db']} dB, log-mel L1 {h['log_mel_l1']}, fewest codes used "
+                         f"{min(u['used'] for u in h['codebook_usage'])} of {h['codebook_usage'][0]['of']}")
+            elif stage == "aar":
+                h = rec["heldout"]
+                extra = f"; CE {h['ce_cond']} with the condition, {h['ce_uncond']} without"
+                for key in ("rollouts", "rollouts_no_past", "rollouts_random_aar"):
+                    if key in h:
+                        extra += f"; {key} adherence {h[key]['adherence']}"
+            lines.append(f"{lane}/{stage}: {_loss(rec)}{extra}")
+    ev = _read(out / "video" / "eval.json")
+    if ev is not None:
+        lines.append(f"video/eval: VAE {ev['vae_held_out_psnr_db']} dB; preset, model, first block, past: found / "
+                     "colour / shape / direction / consistency %, background dB")
+        for r in ev["runs"]:
+            m = r["summary"]
+            lines.append(f"  {r['preset']:<22} {r['model']:<11} {r['first_block']:<9} "
+                         f"{'no past' if r['no_past'] else 'cache':<8} {m['found_pct']} / {m['colour_pct']} / "
+                         f"{m['shape_pct']} / {m['direction_pct']} / {m['consistency_pct']}, "
+                         f"{m['background_psnr_db']}")
+    return lines
+
+
 def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
     """The settings a restart must match: everything that changes what the stages compute."""
     inits = {}
@@ -210,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     for t in threads:
         t.join()
     failed = {lane: why for lane, why in results.items() if why != "ok"}
-    for lane in lanes:
-        print(f"{lane}: {results.get(lane, 'did not finish')}")
+    lines = summary_lines(out) + [f"{lane}: {results.get(lane, 'did not finish')}" for lane in lanes]
+    atomic_write_text(out / "summary.txt", "\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 1 if failed or len(results) != len(lanes) else 0

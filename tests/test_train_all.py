@@ -26,8 +26,9 @@ def run(tmp_path_factory):
     return out
 
 
-def _mtimes(root):
-    return {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.suffix != ".log"}
+def _mtimes(root):  # the outputs (not the logs, nor summary.txt, which every run rewrites)
+    return {p: p.stat().st_mtime_ns for p in root.rglob("*")
+            if p.is_file() and p.suffix != ".log" and p.name != "summary.txt"}
 
 
 def test_both_lanes_train_every_stage_then_eval_and_release(run):
@@ -41,6 +42,10 @@ def test_both_lanes_train_every_stage_then_eval_and_release(run):
     shipped = trained_audio_assets(run / "audio" / "release")  # checked against its SHA256SUMS
     assert shipped is not None and (shipped["root"] / "AAR_micro.pth").is_file()
     assert json.loads((run / "plan.json").read_text())["lanes"] == ["video", "audio"]
+    summary = (run / "summary.txt").read_text()
+    for line in ("video/vae: 16 steps", "video/distill:", "audio/sat:", "audio/aar:", "rollouts_no_past adherence",
+                 "video/eval: VAE", "random DiT", "video: ok", "audio: ok"):
+        assert line in summary, line
 
 
 def test_a_rerun_with_the_same_settings_skips_what_is_done(run, capsys):
