@@ -70,6 +70,14 @@ def test_blockwise_teacher_forcing_attention_equals_the_masked_one(frames, fpb):
         layout.attend(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:])
 
 
+def test_a_framewise_share_of_the_batches_uses_one_frame_blocks():
+    cfg = train.get_config("tiny")
+    gen = torch.Generator().manual_seed(0)
+    sizes = [train.block_size(cfg, gen) for _ in range(4000)]
+    assert set(sizes) == {1, cfg.frames_per_block}
+    assert abs(sizes.count(1) / len(sizes) - cfg.framewise) < 0.03
+
+
 def test_noisy_copy_reuses_the_clean_rope_indices():
     """With frame_positions [0..F-1, 0..F-1] a noisy frame gets the same rotary table row as its clean frame."""
     dit = train.build_dit(train.get_config("micro"), seed=0)

@@ -297,6 +297,13 @@ def first_block_flow(dit, noisy: torch.Tensor, t_frames: torch.Tensor, context: 
     return dit(noisy, t_frames, context, mode="full")
 
 
+def block_size(cfg: VideoTrainConfig, gen: torch.Generator) -> int:
+    """Latent frames a block of one training batch: 1 (the frame-wise loops') in a `framewise` share of the batches,
+    `frames_per_block` otherwise. First-block batches draw it too: a frame-wise rollout's first block is latent
+    frame 0 alone, drawn from the caption with no context."""
+    return 1 if float(torch.rand(1, generator=gen)) < cfg.framewise else cfg.frames_per_block
+
+
 def block_timesteps(gen: torch.Generator, batch: int, num_frames: int, fpb: int, shift: float,
                     device: torch.device) -> torch.Tensor:
     """[B, F] timesteps, one shifted-uniform draw per block, in (0, 1000]."""
@@ -575,18 +582,16 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
 
     def loss_fn(step: int) -> torch.Tensor:
         first_only = float(torch.rand(1, generator=cpu_gen)) < cfg.first_block_share
+        fpb = block_size(cfg, cpu_gen)  # the frame-wise loops' first block is latent frame 0 alone
         batch = cfg.first_block_batch if first_only else cfg.dit_batch
         idx = torch.randint(0, data.shape[0], (batch,), generator=cpu_gen).to(device)
-        x0 = (data[idx, :cfg.frames_per_block] if first_only else data[idx]).float()
+        x0 = (data[idx, :fpb] if first_only else data[idx]).float()
         drop = (torch.rand(batch, generator=cpu_gen) < cfg.empty_caption).to(device)
         b_ids = torch.where(drop[:, None], empty_ids, ids[idx])
         b_mask = torch.where(drop[:, None], empty_mask, mask[idx])
         context = text_states(encoder, b_ids, b_mask)
-        if first_only:  # text-to-first-block: the block denoised on its own, as a rollout's first block is
-            t = block_timesteps(gen, batch, cfg.frames_per_block, cfg.frames_per_block, cfg.shift, device)
-        else:
-            fpb = 1 if float(torch.rand(1, generator=cpu_gen)) < cfg.framewise else cfg.frames_per_block
-            t = block_timesteps(gen, batch, f, fpb, cfg.shift, device)
+        # text-to-first-block steps denoise the block on its own, as a rollout's first block is
+        t = block_timesteps(gen, batch, fpb if first_only else f, fpb, cfg.shift, device)
         sigma = (t / 1000).view(*t.shape, 1, 1, 1)
         noise = torch.randn(x0.shape, generator=gen, device=device)
         noisy = (1 - sigma) * x0 + sigma * noise
