@@ -16,9 +16,10 @@ one is what a killed stage left and is trained again from its start, so a run ki
 finishes what is left. At the end every finished step's headline numbers are printed and written to
 `DIR/summary.txt`. `DIR/plan.json` records the settings (and the SHA-256 of each init's `train.json`): a restart
 with other settings is refused. `--video-init` / `--audio-init` continue every stage of a lane from an earlier
-run's outputs (weights only, each stage with a new seed, as `--init` does): the latest trained models, which the
-repository keeps in `mmkv/assets/` (docs/decisions.md, "Trained weights are committed every session"), are such an
-init. Seeds: stage k of a lane draws with `--seed + k`.
+run's outputs (weights only, each stage with a new seed, as `--init` does): the latest trained video model, which
+the repository keeps in `mmkv/assets/video/` with its `train.json` (docs/decisions.md, "Trained weights are
+committed at the end of every session that trains them"), is such an init. Seeds: stage k of a lane draws with
+`--seed + k`.
 """
 
 from __future__ import annotations
