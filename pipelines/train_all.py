@@ -7,8 +7,9 @@ runs two lanes side by side (the tiny models are launch-bound, so one GPU has ro
 * video: `train video --stage vae`, `dit`, `distill` (each `--from` the one before), then `eval video` on held-out
   prompts (free rollouts, continuations of each clip's own first block, both with and without the past, and a random
   DiT of the same architecture) into `DIR/video/eval.json`;
-* audio: `train audio --stage clap`, `sat`, `aar`, then `ship audio` into `DIR/audio/release/` (the bf16 release with
-  its `SHA256SUMS`, the layout `mmkv/assets/audio/` ships).
+* audio: `train audio --stage clap`, `sat`, `aar`, then `ship audio --training-state` into `DIR/audio/release/` (the
+  bf16 release with its `SHA256SUMS`, the layout `mmkv/assets/audio/` ships, keeping what more training needs, so
+  that it is also an `--audio-init`; `ship audio` without the flag writes the slimmer one from `DIR/audio/aar`).
 
 Each stage is its own process (`DIR/<lane>/<stage>/`, its log beside it as `<stage>.log`) and gets a share of
 `--budget` seconds (`SHARES`). A stage whose `train.json` exists is done and is skipped on a rerun; a folder without
@@ -40,7 +41,7 @@ LANES = ("video", "audio")
 TRAIN_MODULES = {"video": "mmkv.pipelines.wan.train", "audio": "mmkv.pipelines.aar.train"}
 STAGES = {"video": ("vae", "dit", "distill"), "audio": ("clap", "sat", "aar")}
 # The stages whose output holds every model of the lane, so that each stage can continue from it.
-INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}
+INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}  # (an audio release with its training state: aar)
 # Share of --budget each stage trains for. Video: the VAE and the DiT are the long stages (docs/training.md, the
 # fifth and sixth runs); eval runs after, unbudgeted (about 1-2 minutes on an H200). Audio: the SAT is the long one.
 SHARES = {"vae": 0.33, "dit": 0.45, "distill": 0.16, "clap": 0.08, "sat": 0.5, "aar": 0.36}
@@ -88,7 +89,7 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
         steps.append(("release", root / "release", _python() + [
             "ship", "audio", "--aar", str(previous / f"AAR_{args.config}.pth"),
             "--sat", str(previous / f"SAT_{args.config}.pth"), "--clap", str(previous / "clap"),
-            "--out", str(root / "release")]))
+            "--out", str(root / "release"), "--training-state"]))
     return steps
 
 

@@ -41,6 +41,7 @@ def test_both_lanes_train_every_stage_then_eval_and_release(run):
     assert {r["model"] for r in ev["runs"]} == {"trained", "random DiT"} and any(r["no_past"] for r in ev["runs"])
     shipped = trained_audio_assets(run / "audio" / "release")  # checked against its SHA256SUMS
     assert shipped is not None and (shipped["root"] / "AAR_micro.pth").is_file()
+    assert (run / "audio" / "release" / "train.json").read_bytes() == (run / "audio" / "aar" / "train.json").read_bytes()
     assert json.loads((run / "plan.json").read_text())["lanes"] == ["video", "audio"]
     summary = (run / "summary.txt").read_text()
     for line in ("video/vae: 16 steps", "video/distill:", "audio/sat:", "audio/aar:", "rollouts_no_past adherence",
@@ -88,8 +89,8 @@ def test_bad_arguments_are_named(tmp_path, capsys, bad, match):
 def test_an_init_must_hold_every_model_of_its_lane(run, tmp_path, capsys):
     assert main(_argv(tmp_path / "x", "--video-init", run / "video" / "vae")) == 2
     assert "is the output of the 'vae' stage" in capsys.readouterr().err
-    assert main(_argv(tmp_path / "y", "--audio-init", run / "audio" / "release")) == 2  # a release: no train.json
-    assert "holds no train.json" in capsys.readouterr().err
+    assert main(_argv(tmp_path / "y", "--audio-init", run / "audio" / "clap")) == 2
+    assert "is the output of the 'clap' stage" in capsys.readouterr().err
 
 
 def test_an_init_continues_every_stage_but_distillation(run, tmp_path):

@@ -299,6 +299,44 @@ def test_an_aar_output_continues_the_earlier_stages_too(stages, tmp_path, stage)
         assert more["loss_curve"][0][1] < rec["sat"]["loss_curve"][0][1]
 
 
+def test_a_release_with_its_training_state_continues_training(stages, tmp_path, capsys):
+    """`ship audio --training-state`: bf16, nothing left out, the aar stage's train.json beside; it loads as a release
+    and every stage continues from it, the SAT from its own encoder and codebooks."""
+    from mmkv.assets import trained_audio_assets
+    from mmkv.cli import main
+    from mmkv.pipelines.aar.loaders import load_models
+
+    root, rec = stages
+    aar_dir = root / "aar"
+    slim, full = tmp_path / "slim", tmp_path / "full"
+    common = ["ship", "audio", "--aar", str(aar_dir / "AAR_micro.pth"), "--sat", str(aar_dir / "SAT_micro.pth"),
+              "--clap", str(aar_dir / "clap")]
+    assert main(common + ["--out", str(slim)]) == 0 and main(common + ["--out", str(full), "--training-state"]) == 0
+    capsys.readouterr()
+    assert trained_audio_assets(full) is not None and not (slim / "train.json").exists()
+    assert (full / "train.json").read_bytes() == (aar_dir / "train.json").read_bytes()
+    sd = torch.load(full / "SAT_micro.pth", weights_only=True)["generator_state_dict"]
+    assert any(k.startswith("encoder.") for k in sd) and all(v.dtype != torch.float32 for v in sd.values())
+    assert (full / "SAT_micro.pth").stat().st_size > (slim / "SAT_micro.pth").stat().st_size
+    load_models(full)
+    more = _run("sat", tmp_path / "sat", root / "clap", steps=3, init=full, seed=1)
+    assert more["loss_curve"][0][1] < rec["sat"]["loss_curve"][0][1]
+    _run("aar", tmp_path / "aar", tmp_path / "sat", steps=3, init=full, seed=1)
+    _run("clap", tmp_path / "clap", steps=3, init=full, seed=1)  # from its bf16 CLAP, trained in fp32
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "clap" / "clap" / "model.safetensors").values()
+    assert {v.dtype for v in weights if v.is_floating_point()} == {torch.float32}
+    # a release without its encoder cannot be one
+    assert main(["ship", "audio", "--aar", str(slim / "AAR_micro.pth"), "--sat", str(slim / "SAT_micro.pth"),
+                 "--clap", str(slim / "clap"), "--out", str(tmp_path / "x"), "--training-state"]) == 2
+    assert "train.json" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    (slim / "train.json").write_bytes((aar_dir / "train.json").read_bytes())
+    assert main(["ship", "audio", "--aar", str(slim / "AAR_micro.pth"), "--sat", str(slim / "SAT_micro.pth"),
+                 "--clap", str(slim / "clap"), "--out", str(tmp_path / "x"), "--training-state"]) == 2
+    assert "without its encoder" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
 def test_batch_si_snr_equals_the_float64_one_per_clip():
     from mmkv.pipelines.aar.sat_training import batch_si_snr_db, si_snr_db
 

@@ -17,6 +17,12 @@ the bf16 tensors into the fp32 models. The inputs are read as `mmkv compare audi
 not load is refused before anything is written. Everything is written into a
 hidden folder beside DEST, renamed onto DEST at the end: a killed run leaves no half release. DEST must not exist or
 be empty.
+
+With `--training-state` nothing is left out (still bf16; about 23 MB for the `tiny` models against 18 MB) and the
+`train.json` beside `--aar` is copied too, so that DEST is also what `mmkv train audio --init` (and `mmkv train all
+--audio-init`) continue from: the SAT's encoder and codebook statistics are what a later SAT stage, and the
+tokenising of a later AAR stage, need. A session's checkout keeps only what git holds (docs/decisions.md), and the
+fp32 `aar` folder is 45 MB.
 """
 
 from __future__ import annotations
@@ -30,16 +36,18 @@ import torch
 
 from mmkv.io import atomic_write_bytes, save_pretrained
 from mmkv.pipelines.aar.loaders import (
-    AAR_CONTAINER_KEY, SAT_CONTAINER_KEY, CheckpointError, load_aar, load_sat, read_state_dict, release_drops,
+    AAR_CONTAINER_KEY, SAT_CONTAINER_KEY, SAT_ENCODER, CheckpointError, load_aar, load_sat, read_state_dict,
+    release_drops,
 )
 
 CLAP_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "config.json")  # rewritten by save_pretrained
 
 
-def release_state(sd: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
-    """A state dict as shipped: `release_drops` left out, floating tensors in bf16, integer ones kept."""
+def release_state(sd: dict[str, torch.Tensor], what: str, keep_all: bool = False) -> dict[str, torch.Tensor]:
+    """A state dict as shipped: `release_drops` left out (unless `keep_all`), floating tensors in bf16, integer ones
+    kept."""
     return {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-            for k, v in sd.items() if not release_drops(k, what)}
+            for k, v in sd.items() if keep_all or not release_drops(k, what)}
 
 
 def _release_name(path: Path, what: str) -> str:
@@ -68,10 +76,10 @@ def _ship_clap(src: Path, dest: Path) -> None:
 
 
 def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.PathLike,
-               dest: str | os.PathLike) -> Path:
-    """Write the bf16 release of an AAR checkpoint, its SAT and CLAP folder to `dest` (see the module docstring);
-    returns `dest`. Raises CheckpointError for inputs that do not load or do not belong together, RunError for a
-    non-empty `dest`."""
+               dest: str | os.PathLike, training_state: bool = False) -> Path:
+    """Write the bf16 release of an AAR checkpoint, its SAT and CLAP folder to `dest` (see the module docstring;
+    `training_state`: everything kept, and the `train.json` beside the AAR checkpoint); returns `dest`. Raises
+    CheckpointError for inputs that do not load or do not belong together, RunError for a non-empty `dest`."""
     from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.aar.loaders import check_pair
 
@@ -80,14 +88,23 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
     for path, what in ((aar, "--aar"), (sat, "--sat")):
         if not path.is_file():
             raise CheckpointError(f"{what} {path} is not a checkpoint file (expected AAR_*.pth / SAT_*.pth)")
+    record = aar.parent / "train.json"
+    if training_state and not record.is_file():
+        raise CheckpointError(f"--training-state copies the train.json beside --aar {aar} (the output folder of a "
+                              "`mmkv train audio --stage aar`), and there is none")
     aar_model = load_aar(aar)  # refuses what the release could not load, before anything is written
-    check_pair(aar_model, load_sat(sat, multi_scale=aar_model.patch_nums), aar, sat)
+    sat_model = load_sat(sat, multi_scale=aar_model.patch_nums)
+    check_pair(aar_model, sat_model, aar, sat)
+    if training_state and not any(k.startswith(SAT_ENCODER) for k in read_state_dict(sat, SAT_CONTAINER_KEY)):
+        raise CheckpointError(f"--training-state needs the full SAT checkpoint, and --sat {sat} is a release "
+                              "without its encoder")
     with release_folder(dest) as stage:
-        _save_checkpoint(release_state(read_state_dict(aar, AAR_CONTAINER_KEY), "AAR"), AAR_CONTAINER_KEY,
-                         stage / _release_name(aar, "AAR"))
-        _save_checkpoint(release_state(read_state_dict(sat, SAT_CONTAINER_KEY), "SAT"), SAT_CONTAINER_KEY,
-                         stage / _release_name(sat, "SAT"))
+        for path, key, what in ((aar, AAR_CONTAINER_KEY, "AAR"), (sat, SAT_CONTAINER_KEY, "SAT")):
+            _save_checkpoint(release_state(read_state_dict(path, key), what, keep_all=training_state), key,
+                             stage / _release_name(path, what))
         _ship_clap(clap, stage / "clap")
+        if training_state:
+            atomic_write_bytes(stage / "train.json", record.read_bytes())
     return dest
 
 
@@ -97,10 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clap", required=True, metavar="DIR", help="its transformers CLAP folder")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="release folder to create (new or empty), e.g. for mmkv/assets/audio/")
+    parser.add_argument("--training-state", action="store_true",
+                        help="keep what only training reads (the SAT's encoder and codebook statistics) and the "
+                             "aar stage's train.json, so that the folder is also an --init for more training")
 
 
 def run(args: argparse.Namespace) -> int:
-    dest = ship_audio(args.aar, args.sat, args.clap, args.out)
+    dest = ship_audio(args.aar, args.sat, args.clap, args.out, training_state=args.training_state)
     files = sorted(p for p in dest.rglob("*") if p.is_file())
     total = sum(p.stat().st_size for p in files)
     for p in files:

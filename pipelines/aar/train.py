@@ -190,7 +190,7 @@ def train_clap(cfg: AudioTrainConfig, out: Path, *, device: torch.device, seed: 
     tokenizer = caption_tokenizer(cfg.text_len)
     extractor = feature_extractor(cfg.clap_window_s)
     if init is not None:
-        model = ClapModel.from_pretrained(str(init / "clap"), local_files_only=True)
+        model = ClapModel.from_pretrained(str(init / "clap"), local_files_only=True, dtype=torch.float32)
     else:
         model = build_clap(cfg, len(tokenizer), seed)
     model = model.to(device).train()
@@ -358,7 +358,8 @@ def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     sat_path = sat_file(source, cfg)
     sat = load_sat(sat_path, multi_scale=cfg.sat_config().multi_scale, device=device)
     clap_dir = source / "clap"
-    clap_model = ClapModel.from_pretrained(str(clap_dir), local_files_only=True).to(device).eval()
+    clap_model = ClapModel.from_pretrained(str(clap_dir), local_files_only=True,
+                                            dtype=torch.float32).to(device).eval()
     extractor = ClapFeatureExtractor.from_pretrained(str(clap_dir), local_files_only=True)
     gen = torch.Generator().manual_seed(seed + 50)
     t0 = time.perf_counter()
