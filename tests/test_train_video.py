@@ -39,7 +39,7 @@ def stages(tmp_path_factory):
 
 
 def test_teacher_forcing_mask_is_block_causal_with_the_noisy_copy_seeing_only_earlier_clean_blocks():
-    m = train.teacher_forcing_mask(num_frames=6, frames_per_block=3, tokens_per_frame=2)
+    m = train.TeacherForcing(num_frames=6, frames_per_block=3, tokens_per_frame=2).mask()
     L = 12
     assert m.shape == (2 * L, 2 * L)
     clean = lambda f: slice(2 * f, 2 * f + 2)  # noqa: E731
@@ -48,7 +48,7 @@ def test_teacher_forcing_mask_is_block_causal_with_the_noisy_copy_seeing_only_ea
     assert not m[clean(0), noisy(0)].any()  # clean never sees noise
     assert m[noisy(4), clean(2)].all() and not m[noisy(4), clean(3)].any()  # earlier clean blocks only
     assert m[noisy(4), noisy(3)].all() and not m[noisy(4), noisy(1)].any()  # its own noisy block only
-    framewise = train.teacher_forcing_mask(num_frames=6, frames_per_block=1, tokens_per_frame=2)
+    framewise = train.TeacherForcing(num_frames=6, frames_per_block=1, tokens_per_frame=2).mask()
     assert framewise[noisy(4), clean(3)].all() and not framewise[noisy(4), noisy(3)].any()
 
 
@@ -244,7 +244,7 @@ def test_teacher_forced_flow_equals_the_cached_rollouts_flow(fpb):
     context = torch.randn(1, cfg.text_len, cfg.dit["text_dim"], generator=gen)
     t_blocks = [900.0, 650.0, 400.0, 250.0, 800.0, 120.0][: f // fpb]
     t = torch.tensor(t_blocks).repeat_interleave(fpb)[None]
-    mask = train.teacher_forcing_mask(f, fpb, dit.tokens_per_frame(h, w))
+    mask = train.TeacherForcing(f, fpb, dit.tokens_per_frame(h, w)).mask()
     with torch.no_grad():
         full = train.teacher_forced_flow(dit, clean, noisy, t, context, mask)
         blockwise = train.teacher_forced_flow(dit, clean, noisy, t, context,

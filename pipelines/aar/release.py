@@ -93,14 +93,14 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
         raise CheckpointError(f"--training-state copies the train.json beside --aar {aar} (the output folder of a "
                               "`mmkv train audio --stage aar`), and there is none")
     aar_model = load_aar(aar)  # refuses what the release could not load, before anything is written
-    sat_model = load_sat(sat, multi_scale=aar_model.patch_nums)
-    check_pair(aar_model, sat_model, aar, sat)
-    if training_state and not any(k.startswith(SAT_ENCODER) for k in read_state_dict(sat, SAT_CONTAINER_KEY)):
+    check_pair(aar_model, load_sat(sat, multi_scale=aar_model.patch_nums), aar, sat)
+    states = {"AAR": read_state_dict(aar, AAR_CONTAINER_KEY), "SAT": read_state_dict(sat, SAT_CONTAINER_KEY)}
+    if training_state and not any(k.startswith(SAT_ENCODER) for k in states["SAT"]):
         raise CheckpointError(f"--training-state needs the full SAT checkpoint, and --sat {sat} is a release "
                               "without its encoder")
     with release_folder(dest) as stage:
         for path, key, what in ((aar, AAR_CONTAINER_KEY, "AAR"), (sat, SAT_CONTAINER_KEY, "SAT")):
-            _save_checkpoint(release_state(read_state_dict(path, key), what, keep_all=training_state), key,
+            _save_checkpoint(release_state(states[what], what, keep_all=training_state), key,
                              stage / _release_name(path, what))
         _ship_clap(clap, stage / "clap")
         if training_state:

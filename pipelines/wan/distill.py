@@ -136,7 +136,7 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     student.state.cache_cross_attn = False
     ema = frozen_copy(student)
     tpf = student.tokens_per_frame(shape[1], shape[2])
-    masks = {fpb: TeacherForcing(f, fpb, tpf) for fpb in trajectories}
+    patterns = {fpb: TeacherForcing(f, fpb, tpf) for fpb in trajectories}
     train_gen = torch.Generator().manual_seed(seed + 22)
 
     def loss_fn(step: int) -> torch.Tensor:
@@ -152,7 +152,7 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
         stack = torch.stack([traj["states"][ts][idx] for ts in traj["ts"]], dim=0)  # [T, B, F, C, h, w]
         choice = pick.repeat_interleave(fpb, dim=1).to(device)  # [B, F]
         noisy = torch.gather(stack, 0, choice[None, :, :, None, None, None].expand(1, *stack.shape[1:]))[0].float()
-        flow = teacher_forced_flow(student, x0, noisy, t, traj["context"][idx].float(), masks[fpb])
+        flow = teacher_forced_flow(student, x0, noisy, t, traj["context"][idx].float(), patterns[fpb])
         x0_pred = noisy - (t / 1000).view(*t.shape, 1, 1, 1) * flow.float()
         return F.mse_loss(x0_pred, x0)
 

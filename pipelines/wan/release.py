@@ -61,9 +61,6 @@ def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
 # `mmkv ship video`: a trained release into the package's asset folder
 
 
-RELEASE_PARTS = ("base", "causvid", "train.json")
-
-
 def ship_video(source: str | Path, dest: str | Path) -> Path:
     """Copy the release of a `dit` or `distill` stage output (`base/`, `causvid/model.pt`, and its `train.json`, the
     record of how it was trained, which also lets `mmkv train ... --init` continue from the shipped folder) to

@@ -267,14 +267,6 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
 # Teacher forcing
 
 
-def teacher_forcing_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int,
-                         device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bool [2L, 2L] over [clean frames | noisy copies] (True = may attend): clean block j sees clean blocks <= j;
-    noisy block j sees clean blocks < j and its own noisy block (Self-Forcing `_prepare_teacher_forcing_mask`).
-    Training passes `TeacherForcing` itself, which computes this pattern block by block."""
-    return TeacherForcing(num_frames, frames_per_block, tokens_per_frame).mask(device)
-
-
 def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
     """The flow-matching shift s u / (1 + (s - 1) u) (Wan / DiffSynth `FlowMatchScheduler`)."""
     return shift * u / (1 + (shift - 1) * u)
@@ -283,7 +275,7 @@ def shifted_sigmas(u: torch.Tensor, shift: float) -> torch.Tensor:
 def teacher_forced_flow(dit, clean: torch.Tensor, noisy: torch.Tensor, t_frames: torch.Tensor,
                         context: torch.Tensor, mask: torch.Tensor | TeacherForcing) -> torch.Tensor:
     """The DiT's flow for `noisy` [B, F, C, h, w] at per-frame timesteps `t_frames` [B, F], each block seeing the
-    clean blocks before it (`TeacherForcing`, or its dense `teacher_forcing_mask`)."""
+    clean blocks before it (`TeacherForcing`, or the dense bool mask of its `mask()`)."""
     b, f = clean.shape[:2]
     inputs = torch.cat([clean, noisy], dim=1)
     timestep = torch.cat([torch.zeros_like(t_frames), t_frames], dim=1)
@@ -576,7 +568,7 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
     ema_dit, ema_enc = frozen_copy(dit), frozen_copy(encoder)
     f = data.shape[1]
     tpf = dit.tokens_per_frame(data.shape[3], data.shape[4])
-    masks = {fpb: TeacherForcing(f, fpb, tpf) for fpb in (cfg.frames_per_block, 1)}
+    patterns = {fpb: TeacherForcing(f, fpb, tpf) for fpb in (cfg.frames_per_block, 1)}
     gen = torch.Generator(device=device).manual_seed(seed + 10)
     cpu_gen = torch.Generator().manual_seed(seed + 11)
 
@@ -598,7 +590,7 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
         if first_only:
             flow = first_block_flow(dit, noisy, t, context)
         else:
-            flow = teacher_forced_flow(dit, x0, noisy, t, context, masks[fpb])
+            flow = teacher_forced_flow(dit, x0, noisy, t, context, patterns[fpb])
         return F.mse_loss(flow.float(), noise - x0)
 
     def after(step: int) -> None:
