@@ -137,9 +137,13 @@ TINY_CLAP_TEXT = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_at
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--random", action="store_true",
-                        help="tiny random video models (fast) instead of the trained tiny video model shipped in the "
-                             "package (the default when its weights are installed)")
+    pick = parser.add_mutually_exclusive_group()
+    pick.add_argument("--random", action="store_true",
+                      help="tiny random models (fast) instead of the trained tiny models shipped in the package (the "
+                           "default when they are installed and their held-out scores clear the demo's bar)")
+    pick.add_argument("--trained", action="store_true",
+                      help="the shipped trained tiny models even where their held-out scores are below the demo's "
+                           "bar (mmkv.assets.DEMO_BARS)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help=f"demo folder: assets, runs, report, logs (default {DEFAULT_OUT}, or "
                              f"{DEFAULT_OUT_RANDOM} for the random models; reruns resume)")
@@ -455,7 +459,9 @@ def _choose_models(args: argparse.Namespace) -> dict[str, Any] | None:
     if trained is None:
         print(f"mmkv demo: the trained tiny video model is not installed (no weights in {VIDEO_ASSETS}): using the "
               "tiny random models, as --random does", flush=True)
-    elif args.prompts is not None:
+        return None
+    trained = _unless_below_bar(args, "video", trained)
+    if trained is not None and args.prompts is not None:
         raise UsageError("--prompts is for the random models: the trained model is prompted with held-out scene "
                          "captions. Add --random to use your prompts, or drop --prompts")
     return trained
@@ -466,7 +472,23 @@ def _choose_audio_models(args: argparse.Namespace) -> dict[str, Any] | None:
     (`mmkv.assets.AssetError`, one line naming the file)."""
     from mmkv.assets import trained_audio_assets
 
-    return None if args.random else trained_audio_assets()
+    if args.random:
+        return None
+    found = trained_audio_assets()
+    return None if found is None else _unless_below_bar(args, "audio", found)
+
+
+def _unless_below_bar(args: argparse.Namespace, kind: str, found: dict[str, Any]) -> dict[str, Any] | None:
+    """A shipped set, unless its held-out scores are below the demo's bar (`mmkv.assets.demo_ready`) and --trained
+    was not given: then one line says so and the random models stand in."""
+    from mmkv.assets import demo_ready
+
+    ready, score = demo_ready(kind, found)
+    if ready or args.trained:
+        return found
+    print(f"mmkv demo: the shipped trained tiny {kind} model{'s' if kind == 'audio' else ''} scores {score}: using "
+          f"the tiny random {kind} models (--trained uses the shipped ones anyway)", flush=True)
+    return None
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -130,6 +130,10 @@ def versions() -> dict[str, str | None]:
 
 
 def _git_commit() -> str | None:
+    """The checkout's HEAD commit; in an install from a copy without `.git` (a device machine's working tree), the
+    commit named by the MMKV_GIT_COMMIT variable (`MMKV_GIT_COMMIT=$(git rev-parse HEAD)` where the copy was made)."""
+    if os.environ.get("MMKV_GIT_COMMIT"):
+        return os.environ["MMKV_GIT_COMMIT"]
     here = Path(__file__).resolve().parent.parent
     head = here / ".git" / "HEAD"
     try:

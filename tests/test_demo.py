@@ -29,11 +29,12 @@ VIDEO = PLAN.video[0].preset
 
 
 def _demo(out: Path, *extra: str, assets: Path) -> tuple[int, str, float]:
-    """`mmkv demo --quick` with `assets` as the folder of shipped trained video weights."""
+    """`mmkv demo --quick` with `assets` as the folder of shipped trained video weights (and no audio ones)."""
     buf = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(buf), pytest.MonkeyPatch.context() as mp:
         mp.setattr(mmkv.assets, "VIDEO_ASSETS", assets)
+        mp.setattr(mmkv.assets, "AUDIO_ASSETS", assets.parent / "no_audio")
         rc = main(["demo", "--quick", "--seed", "3", "--out", str(out), *extra])
     return rc, buf.getvalue(), time.perf_counter() - t0
 
@@ -203,6 +204,7 @@ def test_rerun_resumes_and_other_settings_are_refused(demo, capsys, tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mmkv.assets, "VIDEO_ASSETS", tmp_path / "none")
+        mp.setattr(mmkv.assets, "AUDIO_ASSETS", tmp_path / "none")
         assert main(["demo", "--seed", "3", "--out", str(out)]) == 2  # the full demo into the quick demo's folder
     assert "holds a demo made with" in capsys.readouterr().err
 

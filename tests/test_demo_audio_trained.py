@@ -74,7 +74,7 @@ def trained(release, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mmkv.assets, "AUDIO_ASSETS", release)
         mp.setattr(mmkv.assets, "VIDEO_ASSETS", tmp_path_factory.mktemp("no_video"))
-        rc, stdout, stderr = _cli("demo", "--quick", "--seed", "2", "--out", str(out))
+        rc, stdout, stderr = _cli("demo", "--quick", "--trained", "--seed", "2", "--out", str(out))
     assert rc == 0, stdout + stderr
     return out, stdout
 

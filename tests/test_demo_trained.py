@@ -54,12 +54,14 @@ def standin(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(standin, tmp_path_factory):
-    """`mmkv demo --quick` with the stand-in installed as the shipped weights (no --random)."""
+    """`mmkv demo --quick --trained` with the stand-in installed as the shipped weights (a random model: its scores
+    are not the demo's bar's business here, `test_the_demo_uses_a_shipped_set_by_default_only_above_its_bar` is)."""
     out = tmp_path_factory.mktemp("demo") / "trained"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mmkv.assets, "VIDEO_ASSETS", standin)
+        mp.setattr(mmkv.assets, "AUDIO_ASSETS", tmp_path_factory.mktemp("no_audio"))
         mp.setattr(demo, "TRAINED_VIDEO", MICRO_VIDEO)
-        rc, stdout, stderr = _demo("--quick", "--seed", "1", "--out", str(out))
+        rc, stdout, stderr = _demo("--quick", "--trained", "--seed", "1", "--out", str(out))
     assert rc == 0, stdout + stderr
     return out, stdout
 
@@ -122,7 +124,7 @@ def test_package_data_ships_the_nested_asset_files():
     assert {"assets/video/**/*", "assets/audio/**/*"} <= set(cfg["tool"]["setuptools"]["package-data"]["mmkv"])
 
 
-def test_trained_mode_is_the_default_when_weights_are_shipped(trained, standin):
+def test_trained_mode_runs_the_shipped_weights(trained, standin):
     out, stdout = trained
     assert "(trained-quick): the trained tiny video model" in stdout and "not installed" not in stdout
     record = json.loads((out / "demo.json").read_text())
@@ -178,7 +180,7 @@ def test_trained_and_random_runs_never_share_a_folder(trained, standin):
 def test_prompts_are_for_the_random_models(standin, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mmkv.assets, "VIDEO_ASSETS", standin)
-        rc, _, stderr = _demo("--quick", "--prompts", str(ROOT / "prompts" / "prompts.txt"),
+        rc, _, stderr = _demo("--quick", "--trained", "--prompts", str(ROOT / "prompts" / "prompts.txt"),
                               "--out", str(tmp_path / "out"))
     assert rc == 2 and "--prompts is for the random models" in stderr and not (tmp_path / "out").exists()
 
@@ -202,3 +204,46 @@ def test_audio_assets_are_checked_like_the_video_ones(tmp_path):
     want = r"must record AAR_\*.pth, SAT_\*.pth, clap/config.json; it lists \['AAR_tiny.pth'"
     with pytest.raises(AssetError, match=want):
         trained_audio_assets(root)
+
+
+def _eval_record(colour_pct: float | None) -> dict:
+    runs = [] if colour_pct is None else [
+        {"model": "trained", "preset": "causvid", "first_block": "generated", "no_past": False,
+         "summary": {"clips": 32, "colour_pct": colour_pct}},
+        {"model": "trained", "preset": "causvid", "first_block": "generated", "no_past": True,  # not the one judged
+         "summary": {"clips": 32, "colour_pct": 90.0}}]
+    return {"runs": runs}
+
+
+@pytest.mark.parametrize("colour, used", [(62.5, True), (15.62, False), (None, False)])
+def test_the_demo_uses_a_shipped_set_by_default_only_above_its_bar(standin, tmp_path, capsys, colour, used):
+    """Shipped weights whose own held-out free CausVid rollouts draw the named colour in under half the prompts (or
+    that carry no scores) stay out of the default demo, with one line saying why; --trained takes them anyway."""
+    import argparse
+
+    root = shutil.copytree(standin, tmp_path / "video")
+    if colour is not None:
+        (root / "eval.json").write_text(json.dumps(_eval_record(colour)))
+        record_sums(root)
+    found = trained_video_assets(root)
+    assert mmkv.assets.demo_ready("video", found)[0] is used
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", root)
+        default = demo._choose_models(argparse.Namespace(random=False, trained=False, prompts=None))
+        forced = demo._choose_models(argparse.Namespace(random=False, trained=True, prompts=None))
+    line = capsys.readouterr().out
+    assert forced == found and default == (found if used else None)
+    if not used:
+        assert line.count("\n") == 1 and "--trained" in line and "random" in line
+        assert (f"colour {colour}%" if colour is not None else "no held-out scores") in line
+
+
+@pytest.mark.parametrize("adherence, used", [(0.55, True), (0.3333, False)])
+def test_the_audio_bar_reads_the_aar_stages_held_out_rollouts(tmp_path, adherence, used):
+    record = {"stage": "aar", "heldout": {"rollouts": {"clips": 64, "adherence": adherence},
+                                          "rollouts_random_aar": {"clips": 64, "adherence": 0.168}}}
+    (tmp_path / "train.json").write_text(json.dumps(record))
+    ready, score = mmkv.assets.demo_ready("audio", {"root": tmp_path})
+    assert ready is used and f"adherence {adherence} on 64 held-out rollouts (a random AAR: 0.168)" in score
+    (tmp_path / "train.json").unlink()
+    assert mmkv.assets.demo_ready("audio", {"root": tmp_path})[0] is False

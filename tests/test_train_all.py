@@ -12,6 +12,7 @@ import pytest
 from mmkv.assets import trained_audio_assets
 from mmkv.cli import main
 from mmkv.pipelines import train_all
+from mmkv.pipelines.common import sha256_file
 
 
 def _argv(out, *extra):
@@ -39,6 +40,8 @@ def test_both_lanes_train_every_stage_then_eval_and_release(run):
     assert json.loads((run / "video" / "dit" / "train.json").read_text())["source"] == str(run / "video" / "vae")
     ev = json.loads((run / "video" / "eval.json").read_text())
     assert {r["model"] for r in ev["runs"]} == {"trained", "random DiT"} and any(r["no_past"] for r in ev["runs"])
+    assert ev["ckpt"]["sha256"] == sha256_file(run / "video" / "distill" / "causvid" / "model.pt")
+    assert not (run / "video" / "eval.json.partial").exists()  # the runs kept as they landed, gone once whole
     shipped = trained_audio_assets(run / "audio" / "release")  # checked against its SHA256SUMS
     assert shipped is not None and (shipped["root"] / "AAR_micro.pth").is_file()
     assert (run / "audio" / "release" / "train.json").read_bytes() == (run / "audio" / "aar" / "train.json").read_bytes()
@@ -108,3 +111,22 @@ def test_an_init_continues_every_stage_but_distillation(run, tmp_path):
     assert plan["overrides"] == {"video": ["first_block_share=0.8"]} and set(plan["inits"]) == {"video", "audio"}
     assert sum(train_all.SHARES[s] for s in train_all.STAGES["video"]) < 1  # room for the eval
     assert sum(train_all.SHARES[s] for s in train_all.STAGES["audio"]) < 1  # and the release
+
+
+def test_ship_video_keeps_the_releases_own_eval_and_refuses_another(run, tmp_path, capsys):
+    from mmkv.assets import demo_ready, trained_video_assets
+    from mmkv.cli import main
+
+    distill, ev = run / "video" / "distill", run / "video" / "eval.json"
+    dest = tmp_path / "video"
+    assert main(["ship", "video", "--from", str(distill), "--eval", str(ev), "--out", str(dest)]) == 0
+    assert (dest / "eval.json").read_bytes() == ev.read_bytes()
+    found = trained_video_assets(dest)  # eval.json is recorded in SHA256SUMS with the weights
+    ready, score = demo_ready("video", found)
+    assert not ready and "held-out prompts' free CausVid rollouts" in score  # a micro model is far from the bar
+    other = json.loads(ev.read_text())
+    other["ckpt"]["sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["ship", "video", "--from", str(distill), "--eval", str(tmp_path / "other.json"),
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "scored other weights" in capsys.readouterr().err and not (tmp_path / "x").exists()

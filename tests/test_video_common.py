@@ -128,3 +128,13 @@ def test_run_folder_completion_and_manifest_resume(tmp_path):
     with pytest.raises(RunError, match="made with seed=0, the command now asks for 1"):
         folder.open_manifest({"seed": 1}, identity_keys=("seed",))
     assert os.path.basename(folder.manifest_path) == "manifest.rank0.json"
+
+
+def test_versions_name_the_commit_of_a_copy_without_git(monkeypatch):
+    """An install from a working-tree copy has no .git to read (the device machine's): MMKV_GIT_COMMIT names it."""
+    from mmkv.pipelines import files
+
+    monkeypatch.setenv("MMKV_GIT_COMMIT", "0123abc")
+    assert files.versions()["git_commit"] == "0123abc"
+    monkeypatch.delenv("MMKV_GIT_COMMIT")
+    assert files.versions()["git_commit"] != "0123abc"

@@ -155,8 +155,13 @@ def run(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     prompts = [(s, scenes.caption(scenes.sample_scene(s))) for s in scenes.held_out_seeds(args.num_prompts)]
     shape = {"frames": args.frames, "height": args.height, "width": args.width, "seed": args.seed}
-    record: dict[str, Any] = {"ckpt": comps.files.get("dit"), "base": comps.files.get("base"), **shape,
+    # The files scored, with their SHA-256 (`mmkv ship video --eval` checks that a release's scores are its own).
+    record: dict[str, Any] = {"ckpt": comps.files.get("dit"), "base": comps.files.get("base"),
+                              "vae": comps.files.get("vae"), "text_encoder": comps.files.get("text_encoder"), **shape,
                               "held_out_seeds": [s for s, _ in prompts], "versions": versions(), "runs": []}
+    # Each finished run is kept in OUT.partial as it lands (a kill loses only the run in progress); OUT itself is
+    # written once, whole, at the end (`mmkv train all` takes it as the eval's done marker).
+    partial = out.with_name(out.name + ".partial")
     starts = [False] + ([True] if args.given_first_block else [])
     variants = [(given, no_past) for given in starts for no_past in ([False, True] if args.no_past else [False])]
     for preset in presets:
@@ -164,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             res = evaluate_preset(comps, preset, prompts, no_past=no_past, given_first_block=given, **shape)
             res.pop("frames")
             record["runs"].append({"model": "trained", **res})
+            atomic_write_json(partial, record)
             print(f"{preset:<24} {_label(given, 'no past' if no_past else 'cache')} {_line(res['summary'])}",
                   flush=True)
     if args.random_dit:
@@ -174,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 res = evaluate_preset(comps, preset, prompts, given_first_block=given, **shape)
                 res.pop("frames")
                 record["runs"].append({"model": "random DiT", **res})
+                atomic_write_json(partial, record)
                 print(f"{preset:<24} {_label(given, 'random')} {_line(res['summary'])}", flush=True)
         comps.dit = trained
     if args.vae_clips:
@@ -185,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"VAE held-out PSNR {held_out['psnr_db']} dB over {args.vae_clips} clips (on the object "
               f"{held_out['object_psnr_db']} dB, found in {held_out['detector']['found_pct']}% of them)")
     atomic_write_json(out, record)
+    partial.unlink(missing_ok=True)
     return 0
 
 

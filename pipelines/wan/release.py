@@ -61,13 +61,34 @@ def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:
 # `mmkv ship video`: a trained release into the package's asset folder
 
 
-def ship_video(source: str | Path, dest: str | Path) -> Path:
+def check_eval_record(path: Path, source: Path) -> dict:
+    """The `mmkv eval video` record at `path`, refused unless it scored this release: its DiT file's SHA-256 is the
+    one of `source/causvid/model.pt` and its VAE's is one of `source/base/`'s files."""
+    from mmkv.pipelines.common import read_json, sha256_file
+    from mmkv.pipelines.files import RunError
+
+    record = read_json(path)
+    if not isinstance(record, dict) or not record.get("runs") or not isinstance(record.get("ckpt"), dict):
+        raise RunError(f"--eval {path} is not the JSON `mmkv eval video --out` writes (no runs or ckpt)")
+    dit = sha256_file(source / "causvid" / "model.pt")
+    base = {sha256_file(p) for p in (source / "base").rglob("*") if p.is_file()}
+    vae = [f.get("sha256") for f in (record.get("vae") or {}).get("files", [])]
+    if record["ckpt"].get("sha256") != dit or not vae or not set(vae) <= base:
+        raise RunError(f"--eval {path} scored other weights (DiT SHA-256 {record['ckpt'].get('sha256')}, VAE "
+                       f"{', '.join(map(str, vae)) or 'not recorded'}) than --from {source}; give the eval of this "
+                       "release (`mmkv eval video --ckpt FROM/causvid --base FROM/base`)")
+    return record
+
+
+def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | None = None) -> Path:
     """Copy the release of a `dit` or `distill` stage output (`base/`, `causvid/model.pt`, and its `train.json`, the
     record of how it was trained, which also lets `mmkv train ... --init` continue from the shipped folder) to
     `dest` with its `SHA256SUMS` (`mmkv.assets.record_sums`), the layout `mmkv.assets.trained_video_assets` checks.
     The release is loaded through the loaders first, so one that would not load is refused before anything is
     written; everything is written into a hidden folder beside `dest` and renamed onto it at the end. `dest` must
-    not exist or be empty."""
+    not exist or be empty. `eval_path`, the release's own held-out scores (`mmkv eval video`, checked by
+    `check_eval_record`), ships as `eval.json`: the demo reads them to decide whether to use the set by default
+    (`mmkv.assets.demo_ready`)."""
     from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.files import RunError
     from mmkv.pipelines.wan.loaders import load_wan
@@ -80,10 +101,14 @@ def ship_video(source: str | Path, dest: str | Path) -> Path:
                        f"train.json names {stage!r}); give the folder holding base/, causvid/ and train.json")
     check_release_dest(dest)
     load_wan(source / "causvid", source / "base", device="cpu", dtype=torch.float32)  # refuses what cannot load
+    if eval_path is not None:
+        check_eval_record(Path(eval_path), source)
     with release_folder(dest) as staging:
         shutil.copytree(source / "base", staging / "base")
         shutil.copytree(source / "causvid", staging / "causvid")
         shutil.copy2(record, staging / "train.json")
+        if eval_path is not None:
+            shutil.copy2(eval_path, staging / "eval.json")
     return dest
 
 
@@ -92,10 +117,13 @@ def add_arguments(parser) -> None:
                         help="a `mmkv train video` distill (or dit) output folder")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="release folder to create (new or empty), e.g. mmkv/assets/video/")
+    parser.add_argument("--eval", default=None, metavar="FILE",
+                        help="this release's held-out scores (`mmkv eval video --out FILE`), shipped as eval.json; "
+                             "the demo uses the set by default only when they clear its bar")
 
 
 def run(args) -> int:
-    dest = ship_video(args.source, args.out)
+    dest = ship_video(args.source, args.out, args.eval)
     files = sorted(p for p in dest.rglob("*") if p.is_file())
     for p in files:
         print(f"  {p.stat().st_size:>10,d}  {p.relative_to(dest)}")
