@@ -47,6 +47,27 @@ INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}  # (an audio rele
 SHARES = {"vae": 0.33, "dit": 0.45, "distill": 0.16, "clap": 0.08, "sat": 0.5, "aar": 0.36}
 
 
+def parse_shares(text: str | None) -> dict[str, float]:
+    """SHARES with `--shares STAGE=FRACTION,...` in place of the named stages' defaults; each lane's shares must add
+    up to at most 1 (its budget)."""
+    shares = dict(SHARES)
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        stage, _, value = item.partition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if stage not in SHARES or not 0 < share <= 1:
+            raise ValueError(f"--shares {item!r}: expected STAGE=FRACTION with STAGE one of {', '.join(SHARES)} and "
+                             "0 < FRACTION <= 1")
+        shares[stage] = share
+    for lane, stages in STAGES.items():
+        total = sum(shares[s] for s in stages)
+        if total > 1 + 1e-9:
+            raise ValueError(f"--shares: the {lane} lane's stages take {total:.2f} of the budget; at most 1")
+    return shares
+
+
 def stage_done(folder: Path) -> bool:
     return (folder / "train.json").is_file()
 
@@ -67,7 +88,7 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
         cmd = _python() + ["train", lane, "--stage", stage, "--config", args.config, "--out", str(folder),
                            "--seed", str(args.seed + k)] + device
         if args.budget is not None:
-            cmd += ["--budget", f"{SHARES[stage] * args.budget:.0f}"]
+            cmd += ["--budget", f"{parse_shares(getattr(args, 'shares', None))[stage] * args.budget:.0f}"]
         if previous is not None:
             cmd += ["--from", str(previous)]
         if init is not None and not (lane == "video" and stage == "distill"):  # distill starts from its teacher
@@ -194,6 +215,8 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
             inits[lane] = {"folder": str(Path(init).resolve()), "train_json_sha256": sha256_file(record)}
     sets = {lane: list(getattr(args, f"{lane}_set")) for lane in lanes if getattr(args, f"{lane}_set")}
     return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
+            "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None)).items()
+                       if v != SHARES[s]},
             "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets}
 
 
@@ -217,6 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock seconds of training per lane, shared among its stages (default: every "
                              "stage runs its config's steps)")
     parser.add_argument("--lanes", default="video,audio", help="which lanes to run (default: %(default)s)")
+    parser.add_argument("--shares", default=None, metavar="STAGE=FRACTION,...",
+                        help="the budget's share of the named stages, in place of the defaults (" +
+                             ", ".join(f"{k} {v}" for k, v in SHARES.items()) + "); a lane's add up to at most 1")
     parser.add_argument("--config", default="tiny", help="model shapes and settings of both lanes (tiny; micro is "
                                                          "the CPU smoke test's)")
     parser.add_argument("--seed", type=int, default=0, help="stage k of a lane draws with seed + k")
@@ -242,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lanes {args.lanes!r}: expected a comma-separated subset of {', '.join(LANES)}")
     if args.budget is not None and args.budget <= 0:
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
+    parse_shares(args.shares)
     if args.eval_prompts < 0:
         raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
     for lane in lanes:  # a bad config name or field fails here, not minutes later in a stage's process

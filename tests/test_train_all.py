@@ -82,7 +82,8 @@ def test_other_settings_on_a_started_run_are_refused(run, capsys):
 @pytest.mark.parametrize("bad, match", [
     (["--lanes", "video,speech"], "--lanes"), (["--budget", "0"], "--budget"), (["--eval-prompts", "-1"], "eval"),
     (["--video-set", "first_block_share"], "video lane: --set"), (["--audio-set", "no_such=1"], "audio lane"),
-    (["--config", "huge"], "unknown training config"),
+    (["--config", "huge"], "unknown training config"), (["--shares", "vae=0.9"], "the video lane's stages take 1.51"),
+    (["--shares", "vae=0"], "--shares 'vae=0'"), (["--shares", "unet=0.5"], "STAGE one of vae"),
 ])
 def test_bad_arguments_are_named(tmp_path, capsys, bad, match):
     assert main(_argv(tmp_path / "x", *bad)) == 2
@@ -130,3 +131,14 @@ def test_ship_video_keeps_the_releases_own_eval_and_refuses_another(run, tmp_pat
     assert main(["ship", "video", "--from", str(distill), "--eval", str(tmp_path / "other.json"),
                  "--out", str(tmp_path / "x")]) == 2
     assert "scored other weights" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_shares_move_the_budget_between_a_lanes_stages(tmp_path):
+    args = argparse.Namespace(config="micro", seed=0, device="cpu", budget=1000.0, eval_prompts=2, video_init=None,
+                              audio_init=None, video_set=[], audio_set=[], shares="vae=0.55,dit=0.3, distill=0.1")
+    budgets = {name: float(cmd[cmd.index("--budget") + 1])
+               for lane in train_all.LANES for name, _, cmd in train_all.lane_commands(lane, tmp_path, args)
+               if "--budget" in cmd}
+    assert budgets == {"vae": 550, "dit": 300, "distill": 100, "clap": 80, "sat": 500, "aar": 360}
+    plan = train_all.plan_record(args, list(train_all.LANES))
+    assert plan["shares"] == {"vae": 0.55, "dit": 0.3, "distill": 0.1}  # what a restart must give again
