@@ -43,7 +43,8 @@ STAGES = {"video": ("vae", "dit", "distill"), "audio": ("clap", "sat", "aar")}
 # The stages whose output holds every model of the lane, so that each stage can continue from it.
 INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}  # (an audio release with its training state: aar)
 # Share of --budget each stage trains for. Video: the VAE and the DiT are the long stages (docs/training.md, the
-# fifth and sixth runs); eval runs after, unbudgeted (about 1-2 minutes on an H200). Audio: the SAT is the long one.
+# fifth and sixth runs); eval runs after, unbudgeted (one prompt at a time, 6 of its 12 runs took 9 minutes on the
+# seventh run's shared H200; it now rolls out 32 prompts together). Audio: the SAT is the long one.
 SHARES = {"vae": 0.33, "dit": 0.45, "distill": 0.16, "clap": 0.08, "sat": 0.5, "aar": 0.36}
 
 
@@ -104,7 +105,7 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
         steps.append(("eval", root / "eval.json", _python() + [
             "eval", "video", "--ckpt", str(previous / "causvid"), "--base", str(previous / "base"),
             "-n", str(args.eval_prompts), "--frames", str(cfg.frames), "--height", str(cfg.height),
-            "--width", str(cfg.width), "--no-past", "--random-dit", "--given-first-block",
+            "--width", str(cfg.width), "--no-past", "--random-dit", "--given-first-block", "--batch", "32",
             "--out", str(root / "eval.json")] + device))
     if lane == "audio":
         steps.append(("release", root / "release", _python() + [

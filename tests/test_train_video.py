@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmkv.pipelines.wan import train
+from mmkv.pipelines.wan import scenes, train
 
 
 def _run(stage: str, out, source=None, steps=None, init=None, seed=0, decoder_only=False):
@@ -189,6 +189,28 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
     latents = first_block_latents(comps.vae, 10_000_000, height=cfg.height, width=cfg.width)
     own = WanVideoPipeline(comps, get_preset("causvid")).decode(latents.to(comps.dit.dtype))[0]
     assert np.abs(given[:9].astype(int) - own).max() <= 1  # the same decode, up to a convolution path's rounding
+
+
+@pytest.mark.parametrize("no_past, given", [(False, False), (True, True)])
+def test_eval_in_batches_rolls_out_each_prompt_with_its_own_noise(stages, no_past, given):
+    """Three prompts in batches of 2 (a full and a partial batch) give each prompt the frames it gets alone."""
+    from mmkv.pipelines.wan.evaluate import evaluate_preset
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    root = stages[0] / "distill"
+    cfg = train.get_config("micro")
+    comps = load_wan(root / "causvid", root / "base", device="cpu")
+    prompts = [(s, scenes.caption(scenes.sample_scene(s))) for s in scenes.held_out_seeds(3)]
+    kw = dict(frames=cfg.frames, height=cfg.height, width=cfg.width, seed=5, keep_frames=3, no_past=no_past,
+              given_first_block=given)
+    alone = evaluate_preset(comps, "causvid", prompts, **kw)
+    together = evaluate_preset(comps, "causvid", prompts, batch=2, **kw)
+    assert [c["seed"] for c in together["clips"]] == [s for s, _ in prompts]
+    for a, b in zip(alone["frames"], together["frames"]):
+        assert a.shape == b.shape and np.abs(a.astype(int) - b.astype(int)).max() <= 2  # batched kernels' rounding
+    assert not (alone["frames"][0] == alone["frames"][1]).all()  # and the prompts' rollouts differ
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        evaluate_preset(comps, "causvid", prompts, batch=0, **kw)
 
 
 def test_ship_video_copies_a_release_the_asset_check_and_the_loaders_accept(stages, tmp_path, capsys):
