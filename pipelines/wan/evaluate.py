@@ -158,8 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "does the model keep what its cache holds?")
     parser.add_argument("--vae-clips", type=int, default=16, help="held-out clips for the VAE's PSNR (0: skip)")
     parser.add_argument("--batch", type=int, default=1,
-                        help="prompts rolled out together (each with its own noise; on a GPU 32 is far faster than "
-                             "1, and the scores agree up to the floating-point order of batched kernels)")
+                        help="prompts rolled out together, each with its own noise; the scores agree up to the "
+                             "floating-point order of batched kernels. For a GPU, where a tiny model's rollout is "
+                             "bound by kernel launches (not yet timed); on two CPU cores 8 prompts took as long in "
+                             "one batch as one at a time")
     parser.add_argument("--device", default=None, help="cpu (default without a GPU), cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", required=True, help="the JSON file to write")
