@@ -84,12 +84,13 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
     device = ["--device", args.device] if args.device else []
     steps: list[tuple[str, Path, list[str]]] = []
     previous: Path | None = None
+    shares = parse_shares(getattr(args, "shares", None))
     for k, stage in enumerate(STAGES[lane]):
         folder = root / stage
         cmd = _python() + ["train", lane, "--stage", stage, "--config", args.config, "--out", str(folder),
                            "--seed", str(args.seed + k)] + device
         if args.budget is not None:
-            cmd += ["--budget", f"{parse_shares(getattr(args, 'shares', None))[stage] * args.budget:.0f}"]
+            cmd += ["--budget", f"{shares[stage] * args.budget:.0f}"]
         if previous is not None:
             cmd += ["--from", str(previous)]
         if init is not None and not (lane == "video" and stage == "distill"):  # distill starts from its teacher
