@@ -191,6 +191,38 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
     assert np.abs(given[:9].astype(int) - own).max() <= 1  # the same decode, up to a convolution path's rounding
 
 
+def test_a_killed_eval_continues_from_its_partial_file_and_refuses_other_settings(stages, tmp_path, capsys):
+    from mmkv.cli import main
+
+    root = stages[0] / "distill"
+    cfg = train.get_config("micro")
+    out = tmp_path / "eval.json"
+    argv = ["eval", "video", "--ckpt", str(root / "causvid"), "--base", str(root / "base"), "-n", "1",
+            "--presets", "causvid", "--frames", str(cfg.frames), "--height", str(cfg.height), "--width",
+            str(cfg.width), "--no-past", "--random-dit", "--vae-clips", "0", "--out", str(out)]
+    assert main(argv) == 0
+    whole = json.loads(out.read_text())
+    assert not out.with_name("eval.json.partial").exists()
+    # what a kill after two of the three runs leaves: OUT.partial with those runs, no OUT; one row marked so that a
+    # recomputation would show
+    killed = {**whole, "runs": whole["runs"][:2]}
+    killed["runs"][1] = {**killed["runs"][1], "seconds": -1.0}
+    out.unlink()
+    out.with_name("eval.json.partial").write_text(json.dumps(killed))
+    assert main(argv) == 0
+    resumed = json.loads(out.read_text())
+    assert resumed["runs"][1]["seconds"] == -1.0  # taken from the partial file, not rolled out again
+    drop = lambda rec: [{k: v for k, v in r.items() if k != "seconds"} for r in rec["runs"]]  # noqa: E731
+    assert drop(resumed) == drop(whole) and not out.with_name("eval.json.partial").exists()
+    # a partial file of other settings is refused, and left as it was
+    other = {**killed, "seed": 1}
+    out.unlink()
+    out.with_name("eval.json.partial").write_text(json.dumps(other))
+    assert main(argv) == 2
+    assert "eval.json.partial holds runs of other settings (they differ in seed)" in capsys.readouterr().err
+    assert json.loads(out.with_name("eval.json.partial").read_text()) == other and not out.exists()
+
+
 @pytest.mark.parametrize("no_past, given", [(False, False), (True, True)])
 def test_eval_in_batches_rolls_out_each_prompt_with_its_own_noise(stages, no_past, given):
     """Three prompts in batches of 2 (a full and a partial batch) give each prompt the frames it gets alone."""

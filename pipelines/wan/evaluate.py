@@ -188,32 +188,34 @@ def run(args: argparse.Namespace) -> int:
     # The files scored, with their SHA-256 (`mmkv ship video --eval` checks that a release's scores are its own).
     record: dict[str, Any] = {"ckpt": comps.files.get("dit"), "base": comps.files.get("base"),
                               "vae": comps.files.get("vae"), "text_encoder": comps.files.get("text_encoder"),
-                              **shape, **batch,
+                              **shape, **batch, "device": str(device), "presets": presets,
                               "held_out_seeds": [s for s, _ in prompts], "versions": versions(), "runs": []}
-    # Each finished run is kept in OUT.partial as it lands (a kill loses only the run in progress); OUT itself is
-    # written once, whole, at the end (`mmkv train all` takes it as the eval's done marker).
+    # Each finished run is kept in OUT.partial as it lands (a kill loses only the run in progress), and a rerun with
+    # the same settings continues from it; OUT itself is written once, whole, at the end (`mmkv train all` takes it
+    # as the eval's done marker).
     partial = out.with_name(out.name + ".partial")
+    record["runs"] = resumed_runs(partial, record)
+    done = {_run_key(r) for r in record["runs"]}
     starts = [False] + ([True] if args.given_first_block else [])
     variants = [(given, no_past) for given in starts for no_past in ([False, True] if args.no_past else [False])]
-    for preset in presets:
-        for given, no_past in variants:
-            res = evaluate_preset(comps, preset, prompts, no_past=no_past, given_first_block=given, **shape, **batch)
-            res.pop("frames")
-            record["runs"].append({"model": "trained", **res})
-            atomic_write_json(partial, record)
-            print(f"{preset:<24} {_label(given, 'no past' if no_past else 'cache')} {_line(res['summary'])}",
-                  flush=True)
+    todo = [("trained", preset, given, no_past) for preset in presets for given, no_past in variants]
     if args.random_dit:
-        trained = comps.dit
-        comps.dit = random_dit_like(trained, seed=args.seed)
-        for preset in presets:
-            for given in starts:
-                res = evaluate_preset(comps, preset, prompts, given_first_block=given, **shape, **batch)
-                res.pop("frames")
-                record["runs"].append({"model": "random DiT", **res})
-                atomic_write_json(partial, record)
-                print(f"{preset:<24} {_label(given, 'random')} {_line(res['summary'])}", flush=True)
-        comps.dit = trained
+        todo += [("random DiT", preset, given, False) for preset in presets for given in starts]
+    trained = comps.dit
+    for model, preset, given, no_past in todo:
+        if (model, preset, given, no_past) in done:
+            print(f"{preset:<24} {_label(given, _kind(model, no_past))} (from {partial.name})", flush=True)
+            continue
+        if model == "random DiT" and comps.dit is trained:
+            comps.dit = random_dit_like(trained, seed=args.seed)
+        res = evaluate_preset(comps, preset, prompts, no_past=no_past, given_first_block=given, **shape, **batch)
+        res.pop("frames")
+        record["runs"].append({"model": model, **res})
+        atomic_write_json(partial, record)
+        print(f"{preset:<24} {_label(given, _kind(model, no_past))} {_line(res['summary'])}", flush=True)
+    comps.dit = trained
+    order = {key: i for i, key in enumerate(todo)}
+    record["runs"].sort(key=lambda r: order[_run_key(r)])
     if args.vae_clips:
         from mmkv.pipelines.wan.train import vae_held_out
 
@@ -225,6 +227,37 @@ def run(args: argparse.Namespace) -> int:
     atomic_write_json(out, record)
     partial.unlink(missing_ok=True)
     return 0
+
+
+def _run_key(run: dict[str, Any]) -> tuple[str, str, bool, bool]:
+    return run["model"], run["preset"], run["first_block"] == "given", bool(run["no_past"])
+
+
+def _kind(model: str, no_past: bool) -> str:
+    return "random" if model != "trained" else "no past" if no_past else "cache"
+
+
+def resumed_runs(partial: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The finished runs an earlier, killed `eval video` with the same settings left in `partial` (none if there is
+    no such file). Rows are only merged when every setting that could change a score matches: the scored files'
+    SHA-256, the shape, the seed, the batch, the prompts, the device and the library versions; else the rerun is
+    refused, so that a file never mixes two settings' rows."""
+    if not partial.is_file():
+        return []
+    import json
+
+    try:
+        old = json.loads(partial.read_text())
+        runs = list(old["runs"])
+        for run in runs:
+            _run_key(run)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{partial} is not a partial `mmkv eval video` result ({e}); remove it to start over") from None
+    differ = [k for k in record if k != "runs" and old.get(k) != record[k]]
+    if differ:
+        raise ValueError(f"{partial} holds runs of other settings (they differ in {', '.join(differ)}); remove it "
+                         f"to start over, or rerun with the settings it was made with")
+    return runs
 
 
 def _label(given: bool, kind: str) -> str:
