@@ -97,6 +97,8 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
             cmd += ["--init", str(init)]
         for item in getattr(args, f"{lane}_set"):
             cmd += ["--set", item]
+        if stage == "vae" and getattr(args, "vae_decoder_only", False):
+            cmd += ["--decoder-only"]
         steps.append((stage, folder, cmd))
         previous = folder
     if lane == "video" and args.eval_prompts:
@@ -219,7 +221,8 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
     return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
             "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None)).items()
                        if v != SHARES[s]},
-            "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets}
+            "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets,
+            **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {})}
 
 
 def check_plan(out: Path, plan: dict) -> None:
@@ -258,6 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{lane}-set", action="append", default=[], metavar="FIELD=VALUE",
                             help=f"override a config field in every {lane} stage (repeatable; `mmkv train {lane} "
                                  "--set`): arms of a sweep are runs with other --out folders, side by side")
+    parser.add_argument("--vae-decoder-only", action="store_true",
+                        help="the vae stage trains the --video-init VAE's decoder alone and keeps its encoder and "
+                             "latent statistics, so that the DiT continues on the latents it learned")
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -271,6 +277,9 @@ def run(args: argparse.Namespace) -> int:
     if args.budget is not None and args.budget <= 0:
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
     parse_shares(args.shares)
+    if getattr(args, "vae_decoder_only", False) and (args.video_init is None or "video" not in lanes):
+        raise ValueError("--vae-decoder-only fine-tunes an existing VAE's decoder: give --video-init (and the video "
+                         "lane)")
     if args.eval_prompts < 0:
         raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
     for lane in lanes:  # a bad config name or field fails here, not minutes later in a stage's process

@@ -142,3 +142,17 @@ def test_shares_move_the_budget_between_a_lanes_stages(tmp_path):
     assert budgets == {"vae": 550, "dit": 300, "distill": 100, "clap": 80, "sat": 500, "aar": 360}
     plan = train_all.plan_record(args, list(train_all.LANES))
     assert plan["shares"] == {"vae": 0.55, "dit": 0.3, "distill": 0.1}  # what a restart must give again
+
+
+def test_vae_decoder_only_reaches_the_vae_stage_alone_and_needs_a_video_init(run, tmp_path, capsys):
+    args = argparse.Namespace(config="micro", seed=0, device="cpu", budget=600.0, eval_prompts=2,
+                              video_init=str(run / "video" / "distill"), audio_init=None, video_set=[], audio_set=[],
+                              vae_decoder_only=True)
+    cmds = {name: cmd for name, _, cmd in train_all.lane_commands("video", tmp_path, args)}
+    assert [name for name, cmd in cmds.items() if "--decoder-only" in cmd] == ["vae"]
+    assert train_all.plan_record(args, ["video"])["vae_decoder_only"] is True
+    args.vae_decoder_only = False  # a plan without the flag stays as it was before the flag existed
+    assert "vae_decoder_only" not in train_all.plan_record(args, ["video"])
+    assert main(_argv(tmp_path / "z", "--vae-decoder-only")) == 2
+    assert "--vae-decoder-only fine-tunes an existing VAE's decoder: give --video-init" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists()
