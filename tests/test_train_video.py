@@ -191,6 +191,24 @@ def test_eval_scores_held_out_prompts_with_and_without_the_past(stages, tmp_path
     assert np.abs(given[:9].astype(int) - own).max() <= 1  # the same decode, up to a convolution path's rounding
 
 
+def test_eval_without_device_takes_the_gpu_where_there_is_one(monkeypatch):
+    """`eval video` resolves a missing --device as every other command does (`parse_device(None)`: this rank's GPU,
+    else the CPU); it used to fall back to the CPU even on a GPU machine."""
+    from mmkv.cli import main
+    from mmkv.pipelines.wan import evaluate
+
+    asked = []
+
+    def parse_device(text, rank=0):
+        asked.append(text)
+        raise RuntimeError("resolved")
+
+    monkeypatch.setattr(evaluate, "parse_device", parse_device)
+    with pytest.raises(RuntimeError, match="resolved"):
+        main(["eval", "video", "--ckpt", "x", "--base", "y", "--out", "z.json"])
+    assert asked == [None]
+
+
 def test_a_killed_eval_continues_from_its_partial_file_and_refuses_other_settings(stages, tmp_path, capsys):
     from mmkv.cli import main
 

@@ -162,7 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "floating-point order of batched kernels. For a GPU, where a tiny model's rollout is "
                              "bound by kernel launches (not yet timed); on two CPU cores 8 prompts took as long in "
                              "one batch as one at a time")
-    parser.add_argument("--device", default=None, help="cpu (default without a GPU), cuda or cuda:N")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: the GPU where there is one, "
+                                                       "else the CPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", required=True, help="the JSON file to write")
 
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; give the path of the JSON file to write")
-    device = parse_device(args.device) if args.device else torch.device("cpu")
+    device = parse_device(args.device)  # None: the GPU where there is one, as the help says
     if args.threads:
         torch.set_num_threads(args.threads)
     comps = load_wan(args.ckpt, args.base, device=device)
