@@ -90,6 +90,11 @@ def release_folder(dest: str | Path) -> Iterator[Path]:
             shutil.rmtree(staging)
 
 
+# A release's training state (`mmkv ship audio --training-state`: what only `--init` reads) lies under this folder.
+# Its files are recorded in SHA256SUMS and checked when present; the installed package leaves them out.
+TRAINING_PREFIX = "training/"
+
+
 def checked_assets(root: Path, required: tuple[str, ...], required_prefix: str | None = None
                    ) -> tuple[dict[str, str], str] | None:
     """({relative path: SHA-256}, SHA-256 of SHA256SUMS) of a shipped folder whose every file is recorded and
@@ -116,6 +121,8 @@ def checked_assets(root: Path, required: tuple[str, ...], required_prefix: str |
         raise AssetError(f"{root / unrecorded[0]} is not recorded in {sums_path}: every shipped file must be; " + _FIX)
     for rel, want in sums.items():
         path = root / rel
+        if not path.is_file() and rel.startswith(TRAINING_PREFIX):
+            continue  # only training reads it, and the installed package leaves it out (pyproject.toml)
         if not path.is_file():
             raise AssetError(f"{path} is recorded in {sums_path} but missing (an incomplete install); " + _FIX)
         have = sha256_file(path)

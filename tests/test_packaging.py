@@ -54,11 +54,27 @@ def test_regular_install_maps_folders_to_subpackages(tmp_path):
     shipped = {n for n in names if n.startswith("mmkv/codecs/data/") and n.endswith(".json")}
     local = {f"mmkv/codecs/data/{p.name}" for p in (ROOT / "mmkv" / "codecs" / "data").glob("*.json")}
     assert local <= shipped, f"codebook data files missing from the wheel: {sorted(local - shipped)}"
+    # the trained sets ship whole but for the audio release's training state, each within its 20 MB
+    assets = ROOT / "mmkv" / "assets"
+    files = [p for p in assets.rglob("*") if p.is_file()]
+    wanted = {f"mmkv/{p.relative_to(ROOT / 'mmkv').as_posix()}" for p in files if "training" not in p.parts}
+    assert wanted <= set(names), f"shipped asset files missing from the wheel: {sorted(wanted - set(names))}"
+    assert not [n for n in names if n.startswith("mmkv/assets/") and "/training/" in n]
+    infos = zipfile.ZipFile(wheel).infolist()
+    for kind in ("video", "audio"):
+        size = sum(i.file_size for i in infos if i.filename.startswith(f"mmkv/assets/{kind}/"))
+        assert size <= 20e6, f"the {kind} set takes {size / 1e6:.1f} MB of package data; the budget is 20 MB"
     inst = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
         capture_output=True, text=True,
     )
     assert inst.returncode == 0, inst.stderr
     where = _where(str(target))
+    from mmkv.assets import trained_audio_assets, trained_video_assets
+
+    if (assets / "audio" / "SHA256SUMS").is_file():  # installed without training/, still a checked release
+        assert trained_audio_assets(target / "mmkv" / "assets" / "audio") is not None
+    if (assets / "video" / "SHA256SUMS").is_file():
+        assert trained_video_assets(target / "mmkv" / "assets" / "video") is not None
     for mod, folder in FOLDERS.items():
         assert Path(where[mod]).resolve() == (target / "mmkv" / folder / "__init__.py").resolve(), (mod, where[mod])

@@ -300,8 +300,9 @@ def test_an_aar_output_continues_the_earlier_stages_too(stages, tmp_path, stage)
 
 
 def test_a_release_with_its_training_state_continues_training(stages, tmp_path, capsys):
-    """`ship audio --training-state`: bf16, nothing left out, the aar stage's train.json beside; it loads as a release
-    and every stage continues from it, the SAT from its own encoder and codebooks."""
+    """`ship audio --training-state`: bf16, the SAT's left-out state under training/, the aar stage's train.json
+    beside; it loads as a release and every stage continues from it, the SAT from its own encoder and codebooks.
+    Without training/ (the installed package) it is the plain release."""
     from mmkv.assets import trained_audio_assets
     from mmkv.cli import main
     from mmkv.pipelines.aar.loaders import load_models
@@ -315,10 +316,17 @@ def test_a_release_with_its_training_state_continues_training(stages, tmp_path, 
     capsys.readouterr()
     assert trained_audio_assets(full) is not None and not (slim / "train.json").exists()
     assert (full / "train.json").read_bytes() == (aar_dir / "train.json").read_bytes()
-    sd = torch.load(full / "SAT_micro.pth", weights_only=True)["generator_state_dict"]
-    assert any(k.startswith("encoder.") for k in sd) and all(v.dtype != torch.float32 for v in sd.values())
-    assert (full / "SAT_micro.pth").stat().st_size > (slim / "SAT_micro.pth").stat().st_size
-    load_models(full)
+    # the checkpoints are the plain release's, byte for byte; the SAT's encoder and codebook sums lie under training/
+    for name in ("AAR_micro.pth", "SAT_micro.pth"):
+        assert (full / name).read_bytes() == (slim / name).read_bytes()
+    extra = torch.load(full / "training" / "SAT_micro.pth", weights_only=True)["generator_state_dict"]
+    assert any(k.startswith("encoder.") for k in extra) and any(k.endswith("embed_avg") for k in extra)
+    assert all(v.dtype != torch.float32 for v in extra.values())
+    assert sorted(p.relative_to(full).as_posix() for p in (full / "training").iterdir()) == ["training/SAT_micro.pth"]
+    from mmkv.pipelines.aar.loaders import CheckpointError, EncoderLeftOut
+
+    assert not isinstance(load_models(full)[1].encoder, EncoderLeftOut)  # read back from training/
+    assert isinstance(load_models(slim)[1].encoder, EncoderLeftOut)
     more = _run("sat", tmp_path / "sat", root / "clap", steps=3, init=full, seed=1)
     assert more["loss_curve"][0][1] < rec["sat"]["loss_curve"][0][1]
     _run("aar", tmp_path / "aar", tmp_path / "sat", steps=3, init=full, seed=1)
@@ -327,6 +335,28 @@ def test_a_release_with_its_training_state_continues_training(stages, tmp_path, 
 
     weights = load_file(tmp_path / "clap" / "clap" / "model.safetensors").values()
     assert {v.dtype for v in weights if v.is_floating_point()} == {torch.float32}
+    # re-shipping the release with its training state gives the same bytes (its training/ is read with it)
+    again = tmp_path / "again"
+    assert main(["ship", "audio", "--aar", str(full / "AAR_micro.pth"), "--sat", str(full / "SAT_micro.pth"),
+                 "--clap", str(full / "clap"), "--out", str(again), "--training-state"]) == 0
+    assert (again / "SHA256SUMS").read_bytes() == (full / "SHA256SUMS").read_bytes()
+    # the installed package's form leaves training/ out: still a checked release, a plain one to the loaders
+    import shutil
+
+    from mmkv.assets import AssetError
+
+    installed = tmp_path / "installed"
+    shutil.copytree(full, installed)
+    shutil.rmtree(installed / "training")
+    assert trained_audio_assets(installed) is not None
+    assert isinstance(load_models(installed)[1].encoder, EncoderLeftOut)
+    # present, it must be the recorded file; and it may not repeat the checkpoint's entries
+    shutil.copy(slim / "SAT_micro.pth", again / "training" / "SAT_micro.pth")
+    with pytest.raises(AssetError, match="training/SAT_micro.pth: SHA-256"):
+        trained_audio_assets(again)
+    with pytest.raises(CheckpointError, match="repeats entries of"):
+        load_models(again)
+    capsys.readouterr()
     # a release without its encoder cannot be one
     assert main(["ship", "audio", "--aar", str(slim / "AAR_micro.pth"), "--sat", str(slim / "SAT_micro.pth"),
                  "--clap", str(slim / "clap"), "--out", str(tmp_path / "x"), "--training-state"]) == 2

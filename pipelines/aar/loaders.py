@@ -34,6 +34,7 @@ import torch
 
 from mmkv.pipelines.aar.model import AAR, AARConfig, build_aar
 from mmkv.pipelines.aar.sat import SAT, SATConfig, build_sat
+from mmkv.assets import TRAINING_PREFIX
 from mmkv.pipelines.common import check_finite, read_checkpoint_file
 
 AAR_CONTAINER_KEY = "model_state_dict"
@@ -45,6 +46,10 @@ _PREFIXES = ("module.", "_orig_mod.")
 # What a release may leave out, per model (see the module docstring): key suffixes, and the SAT encoder's prefix.
 DROPPED_SUFFIXES = {"AAR": ("attn_bias_for_masking",), "SAT": ("._codebook.cluster_size", "._codebook.embed_avg")}
 SAT_ENCODER = "encoder."
+# A release with its training state keeps what only training reads in `training/<checkpoint name>` beside the
+# checkpoint (`mmkv ship audio --training-state`): the installed package leaves that folder out (pyproject.toml),
+# a checkout keeps it for `--init`. The loaders read it back when it is there.
+TRAINING_DIR = TRAINING_PREFIX.rstrip("/")
 
 
 class CheckpointError(ValueError):
@@ -67,6 +72,27 @@ def read_state_dict(path: str | os.PathLike, container_key: str) -> dict[str, to
             f"checkpoint {path}: expected a dict with {container_key!r} or a bare state dict of tensors; found {top}"
         )
     return strip_prefixes(obj)
+
+
+def training_state_file(path: str | os.PathLike) -> Path:
+    """Where a release keeps the training state of its checkpoint `path` (`TRAINING_DIR`)."""
+    path = Path(path)
+    return path.parent / TRAINING_DIR / path.name
+
+
+def read_with_training_state(path: str | os.PathLike, container_key: str) -> dict[str, torch.Tensor]:
+    """The state dict of `path` with the entries of its training-state file added when there is one. The two hold
+    disjoint entries; a key in both is an error (the files would not belong together)."""
+    sd = read_state_dict(path, container_key)
+    extra_path = training_state_file(path)
+    if not extra_path.is_file():
+        return sd
+    extra = read_state_dict(extra_path, container_key)
+    both = sorted(set(sd) & set(extra))
+    if both:
+        raise CheckpointError(f"{extra_path} repeats entries of {path} ({_fmt_keys(both)}): a training-state file "
+                              "holds only what the release leaves out")
+    return {**sd, **extra}
 
 
 def strip_prefixes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -249,7 +275,7 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], what: str, 
 
 def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *,
              device: torch.device | str = "cpu") -> AAR:
-    sd = fill_dropped(read_state_dict(path, AAR_CONTAINER_KEY), "AAR")
+    sd = fill_dropped(read_with_training_state(path, AAR_CONTAINER_KEY), "AAR")
     cfg = config or infer_aar_config(sd, path)
     model = build_aar(cfg, "meta")
     load_strict(model, sd, "AAR", path)
@@ -258,7 +284,7 @@ def load_aar(path: str | os.PathLike, config: AARConfig | None = None, *,
 
 def load_sat(path: str | os.PathLike, config: SATConfig | None = None, *, multi_scale: tuple[int, ...] | None = None,
              device: torch.device | str = "cpu") -> SAT:
-    sd = fill_dropped(read_state_dict(path, SAT_CONTAINER_KEY), "SAT")
+    sd = fill_dropped(read_with_training_state(path, SAT_CONTAINER_KEY), "SAT")
     if config is None:
         if multi_scale is None:
             raise CheckpointError(f"SAT checkpoint {path}: the scale schedule is not stored in the SAT; pass the AAR's")

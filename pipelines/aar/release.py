@@ -18,11 +18,14 @@ not load is refused before anything is written. Everything is written into a
 hidden folder beside DEST, renamed onto DEST at the end: a killed run leaves no half release. DEST must not exist or
 be empty.
 
-With `--training-state` nothing is left out (still bf16; about 23 MB for the `tiny` models against 18 MB) and the
-`train.json` beside `--aar` is copied too, so that DEST is also what `mmkv train audio --init` (and `mmkv train all
---audio-init`) continue from: the SAT's encoder and codebook statistics are what a later SAT stage, and the
-tokenising of a later AAR stage, need. A session's checkout keeps only what git holds (docs/decisions.md), and the
-fp32 `aar` folder is 45 MB.
+With `--training-state` the SAT's left-out state (its encoder and codebook statistics, bf16) goes to
+`DEST/training/SAT_<name>.pth` and the `train.json` beside `--aar` is copied too, so that DEST is also what `mmkv
+train audio --init` (and `mmkv train all --audio-init`) continue from: that state is what a later SAT stage, and the
+tokenising of a later AAR stage, need, and the loaders read it back from `training/` (`loaders.TRAINING_DIR`). The
+installed package leaves `training/` out (pyproject.toml): the package data stays the inference release (18 MB for
+the `tiny` models; 23 MB with the training state), a checkout keeps all of it. The AAR's left-out training mask is
+rebuilt from its levels by the loader, so it is not kept. A session's checkout keeps only what git holds
+(docs/decisions.md), and the fp32 `aar` folder is 45 MB.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ import torch
 
 from mmkv.io import atomic_write_bytes, save_pretrained
 from mmkv.pipelines.aar.loaders import (
-    AAR_CONTAINER_KEY, SAT_CONTAINER_KEY, SAT_ENCODER, CheckpointError, load_aar, load_sat, read_state_dict,
-    release_drops,
+    AAR_CONTAINER_KEY, SAT_CONTAINER_KEY, SAT_ENCODER, CheckpointError, load_aar, load_sat, read_with_training_state,
+    release_drops, training_state_file,
 )
 
 CLAP_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "config.json")  # rewritten by save_pretrained
@@ -79,7 +82,8 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
                dest: str | os.PathLike, training_state: bool = False) -> Path:
     """Write the bf16 release of an AAR checkpoint, its SAT and CLAP folder to `dest` (see the module docstring;
     `training_state`: everything kept, and the `train.json` beside the AAR checkpoint); returns `dest`. Raises
-    CheckpointError for inputs that do not load or do not belong together, RunError for a non-empty `dest`."""
+    CheckpointError for inputs that do not load or do not belong together, RunError for a non-empty `dest`. The
+    inputs may be such a release with its training state (their `training/` files are read with them)."""
     from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.aar.loaders import check_pair
 
@@ -94,14 +98,18 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
                               "`mmkv train audio --stage aar`), and there is none")
     aar_model = load_aar(aar)  # refuses what the release could not load, before anything is written
     check_pair(aar_model, load_sat(sat, multi_scale=aar_model.patch_nums), aar, sat)
-    states = {"AAR": read_state_dict(aar, AAR_CONTAINER_KEY), "SAT": read_state_dict(sat, SAT_CONTAINER_KEY)}
+    states = {"AAR": read_with_training_state(aar, AAR_CONTAINER_KEY),
+              "SAT": read_with_training_state(sat, SAT_CONTAINER_KEY)}
     if training_state and not any(k.startswith(SAT_ENCODER) for k in states["SAT"]):
         raise CheckpointError(f"--training-state needs the full SAT checkpoint, and --sat {sat} is a release "
                               "without its encoder")
     with release_folder(dest) as stage:
         for path, key, what in ((aar, AAR_CONTAINER_KEY, "AAR"), (sat, SAT_CONTAINER_KEY, "SAT")):
-            _save_checkpoint(release_state(states[what], what, keep_all=training_state), key,
-                             stage / _release_name(path, what))
+            _save_checkpoint(release_state(states[what], what), key, stage / _release_name(path, what))
+        if training_state:
+            kept = {k: v for k, v in release_state(states["SAT"], "SAT", keep_all=True).items()
+                    if release_drops(k, "SAT")}
+            _save_checkpoint(kept, SAT_CONTAINER_KEY, training_state_file(stage / _release_name(sat, "SAT")))
         _ship_clap(clap, stage / "clap")
         if training_state:
             atomic_write_bytes(stage / "train.json", record.read_bytes())
