@@ -239,6 +239,9 @@ def test_a_killed_eval_continues_from_its_partial_file_and_refuses_other_setting
     assert main(argv) == 2
     assert "eval.json.partial holds runs of other settings (they differ in seed)" in capsys.readouterr().err
     assert json.loads(out.with_name("eval.json.partial").read_text()) == other and not out.exists()
+    out.with_name("eval.json.partial").write_text(json.dumps(killed))  # the same runs, asked without a control
+    assert main([a for a in argv if a != "--no-past"]) == 2
+    assert "(they differ in controls)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("no_past, given", [(False, False), (True, True)])

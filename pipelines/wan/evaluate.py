@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     record: dict[str, Any] = {"ckpt": comps.files.get("dit"), "base": comps.files.get("base"),
                               "vae": comps.files.get("vae"), "text_encoder": comps.files.get("text_encoder"),
                               **shape, **batch, "device": str(device), "presets": presets,
+                              "controls": {"no_past": args.no_past, "random_dit": args.random_dit,
+                                           "given_first_block": args.given_first_block},
                               "held_out_seeds": [s for s, _ in prompts], "versions": versions(), "runs": []}
     # Each finished run is kept in OUT.partial as it lands (a kill loses only the run in progress), and a rerun with
     # the same settings continues from it; OUT itself is written once, whole, at the end (`mmkv train all` takes it
