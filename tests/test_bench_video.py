@@ -77,6 +77,29 @@ def test_tiny_bench_runs_every_loop_and_codec_in_one_process(tmp_path, capsys):
     assert "| causal-forcing-frame | turboquant-mse:b=4 | 6 |" in capsys.readouterr().out
 
 
+def test_a_bench_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """The JSON is written after every row, so a device call killed at its time limit keeps what it measured (here
+    the third row's table entry raises, as a kill would interrupt it)."""
+    import json
+
+    made = []
+    real = video._row
+
+    def row(*a, **k):
+        if len(made) == 2:
+            raise KeyboardInterrupt
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(video, "_row", row)
+    out = tmp_path / "rows.json"
+    argv = ["bench", "video", "--tiny", "--frames", "6", "--repeats", "1", "--model", "causvid", "--codecs",
+            "identity;kivi:bits=2,group=32", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert [r["codec"] for r in json.loads(out.read_text())] == ["bf16 cache", "identity"]
+
+
 def test_default_codecs_are_the_demos_at_two_and_four_bits_and_qvg():
     from mmkv.demo import CODECS
 

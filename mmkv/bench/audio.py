@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+from mmkv.bench.video import save_rows
 from mmkv.cache.flags import add_cache_arguments
 
 # The demo's codecs for the trained models without identity (mmkv/demo.py TRAINED_CODECS): QVG with 16 centres a
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             if codec is None:
                 base = res
             rows.append(_row(codec, args, res, base))
+            save_rows(args.json, rows)  # as each row lands: a call cut by its time limit keeps them
             print(f"{rows[-1]['codec']}: {res['seconds']:.3f} s x{rows[-1]['ratio_to_native']:.2f}", flush=True)
         except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
             if codec is None:
@@ -148,10 +150,7 @@ def run(args: argparse.Namespace) -> int:
     model = "micro AAR" if args.tiny else "AAR d16 + SAT"
     print(table(rows, f"{where}, torch {torch.__version__}, {model} random weights, blocks and cache {args.dtype}, "
                       f"residual window {args.residual_window} scale(s); {time.perf_counter() - began:.0f} s in all"))
-    if args.json:
-        from mmkv.io import atomic_write_json
-
-        atomic_write_json(args.json, rows)
+    save_rows(args.json, rows)
     return 0
 
 

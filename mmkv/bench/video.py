@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                     if codec is None:
                         bases[frames] = res
                     rows.append(_row(preset.name, codec, frames, f"{h}x{w}", args, res, bases[frames]))
+                    save_rows(args.json, rows)  # as each row lands: a call cut by its time limit keeps them
                     print(f"{preset.name} {rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
                           f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
                     del res
@@ -187,11 +188,17 @@ def run(args: argparse.Namespace) -> int:
              else f"{dev.type}, torch {torch.__version__}, tiny DiT")
     print(table(rows, f"{where}, {', '.join(models)}, latent {h}x{w}, window {args.window or 'global'}, "
                       f"sink {args.sink}; {time.perf_counter() - began:.0f} s in all"))
-    if args.json:
+    save_rows(args.json, rows)
+    return 0
+
+
+def save_rows(path: Path | None, rows: list[dict]) -> None:
+    """The rows so far, written atomically to `path` (if given); `bench video` and `bench audio` call it after
+    every row."""
+    if path is not None:
         from mmkv.io import atomic_write_json
 
-        atomic_write_json(args.json, rows)
-    return 0
+        atomic_write_json(path, rows)
 
 
 def count_syncs(fn) -> dict:
