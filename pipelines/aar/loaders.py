@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from mmkv.assets import TRAINING_PREFIX
 from mmkv.pipelines.aar.model import AAR, AARConfig, build_aar
 from mmkv.pipelines.aar.sat import SAT, SATConfig, build_sat
-from mmkv.assets import TRAINING_PREFIX
 from mmkv.pipelines.common import check_finite, read_checkpoint_file
 
 AAR_CONTAINER_KEY = "model_state_dict"
