@@ -7,8 +7,8 @@ against its SHA-256 sums by `mmkv.assets.trained_video_assets`; docs/training.md
 frames, prompted with captions of held-out procedural scenes (`scenes.held_out_seeds`), so the report also scores
 prompt adherence and scene consistency; that is, when its own held-out scores clear the demo's bar
 (`mmkv.assets.demo_ready`), or with `--trained`. Without shipped weights, below the bar, or with `--random`, it runs
-the tiny random models below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec (QVG and TCQ too) on two
-CausVid prompts and OCTOPUS 2-bit on the frame-wise loop. With the eighth training run's shipped video set (the
+the tiny random models below. A trained video rollout costs ~15 random ones, so the trained plan runs every codec
+(QVG and TCQ too) on two CausVid prompts and OCTOPUS 2-bit on the frame-wise loop. With the eighth training run's shipped video set (the
 default since it cleared the bar) and random audio models, the whole demo took 137 s on two cores and two threads:
 CausVid 91 s, frame-wise 18 s, audio 11 s, report 13 s (one prompt: 61 s; three: 165 s). One prompt was too few:
 the first held-out caption is one of the two of 32 where that set's reference draws no object, so every row's

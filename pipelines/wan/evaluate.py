@@ -255,7 +255,8 @@ def resumed_runs(partial: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
         for run in runs:
             _run_key(run)
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{partial} is not a partial `mmkv eval video` result ({e}); remove it to start over") from None
+        raise ValueError(f"{partial} is not a partial `mmkv eval video` result ({e}); remove it to start "
+                         "over") from None
     differ = [k for k in record if k != "runs" and old.get(k) != record[k]]
     if differ:
         raise ValueError(f"{partial} holds runs of other settings (they differ in {', '.join(differ)}); remove it "
