@@ -82,8 +82,9 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
                dest: str | os.PathLike, training_state: bool = False) -> Path:
     """Write the bf16 release of an AAR checkpoint, its SAT and CLAP folder to `dest` (see the module docstring;
     `training_state`: the SAT's left-out state under `training/` too, and the `train.json` beside the AAR
-    checkpoint); returns `dest`. Raises CheckpointError for inputs that do not load or do not belong together, RunError for a non-empty `dest`. The
-    inputs may be such a release with its training state (their `training/` files are read with them)."""
+    checkpoint); returns `dest`. Raises CheckpointError for inputs that do not load or do not belong together,
+    RunError for a non-empty `dest`. The inputs may be such a release with its training state (their `training/`
+    files are read with them)."""
     from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.aar.loaders import check_pair
 
