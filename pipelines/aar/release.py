@@ -107,12 +107,11 @@ def ship_audio(aar: str | os.PathLike, sat: str | os.PathLike, clap: str | os.Pa
     with release_folder(dest) as stage:
         for path, key, what in ((aar, AAR_CONTAINER_KEY, "AAR"), (sat, SAT_CONTAINER_KEY, "SAT")):
             _save_checkpoint(release_state(states[what], what), key, stage / _release_name(path, what))
+        _ship_clap(clap, stage / "clap")
         if training_state:
             kept = {k: v for k, v in release_state(states["SAT"], "SAT", keep_all=True).items()
                     if release_drops(k, "SAT")}
             _save_checkpoint(kept, SAT_CONTAINER_KEY, training_state_file(stage / _release_name(sat, "SAT")))
-        _ship_clap(clap, stage / "clap")
-        if training_state:
             atomic_write_bytes(stage / "train.json", record.read_bytes())
     return dest
 
