@@ -83,7 +83,7 @@ QUICK_CODECS = ("identity", "octopus:b=2", "turboquant-mse:b=4", "kivi:bits=2,gr
 QVG = ("qvg:bits=2,centroids=16", "qvg:bits=4,centroids=16")
 # and TCQ at OCTOPUS b=2's and b=4's effective bits (2.602 and 4.617 at head dim 128, fp32 norms on both sides: the
 # synthetic bench's iso-rate rows), so the trained table compares them at equal stored bits. With fewer trellis
-# states than the default L = 11: the torch Viterbi encoder costs 2^L state updates a step, and at L = 11 one
+# states than L = 11 (4 bits' default): the torch Viterbi encoder costs 2^L state updates a step, and at L = 11 one
 # trained rollout took 52 s on two cores against 8 s for OCTOPUS. Encoding one block's [1, 2, 288, 128] keys on two
 # cores: 119 ms at 2 bits and L = 8 (1118 ms at L = 11), 360 ms at 4 bits and L = 10 (687 ms); relative MSE on
 # N(0, 1) vectors 0.057 and 0.0053 (L = 11: 0.048 and 0.0044; OCTOPUS b=2 / b=4: 0.083 / 0.0067). Both tables ship.

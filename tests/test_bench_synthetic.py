@@ -12,6 +12,7 @@ import torch
 from mmkv.bench import synthetic as syn
 from mmkv.cli import main
 from mmkv.codecs import CodecConfig
+from mmkv.codecs.tcq import DEFAULT_L
 
 # 8 reconstruction seeds (8192 keys) and 24 needle seeds: standard errors ~3e-4 on MSE, ~0.02 on IP error and
 # <= 0.006 on the needle mass, well inside the tolerances below.
@@ -121,7 +122,7 @@ def test_tcq_iso_rate_is_a_quarter_below_octopus():
     for b, hi in ((2, 45), (3, 46), (4, 47)):
         octopus = CodecConfig.parse(f"octopus:b={b},joint=0")
         cfg = syn.tcq_iso_rate_config(octopus, p)
-        assert str(cfg) == f"tcq:L=11,bits={b},hi={hi},norm=32"
+        assert str(cfg) == f"tcq:L={DEFAULT_L[b]},bits={b},hi={hi},norm=32"  # each width's default L
         ours = syn.measure_reconstruction(cfg, k, q, p)
         for joint in (0, 1):
             theirs = syn.measure_reconstruction(octopus.replace(joint=joint), k, q, p)

@@ -136,7 +136,9 @@ def test_table_is_shipped_and_rebuilds_within_tolerance():
 # (preset, relative MSE), measured on these 256 vectors: against 0.1163 / 0.0341 / 0.0094 for scalar Lloyd-Max at
 # 2 / 3 / 4 bits, and the rate-distortion bound 2^(-2R) = 0.0625 / 0.0156 / 0.0039. A scratch simulation of the same
 # trellis (free-run tail-biting, no gain fit) gave 0.0884 at L = 8 and 0.0787 / 0.0215 / 0.0060 at L = 12.
-DISTORTION = [("tcq:bits=2,L=8", 0.0839), ("tcq:bits=2", 0.0751), ("tcq:bits=3", 0.0212), ("tcq:bits=4", 0.0063)]
+# The defaults (L = 8 / 9 / 11 at 2 / 3 / 4 bits) and L = 11 at 2 and 3 bits.
+DISTORTION = [("tcq:bits=2", 0.0839), ("tcq:bits=2,L=11", 0.0751), ("tcq:bits=3", 0.0238), ("tcq:bits=3,L=11", 0.0212),
+              ("tcq:bits=4", 0.0063)]
 
 
 @pytest.mark.parametrize("preset,mse", DISTORTION)
@@ -217,3 +219,13 @@ def test_shapes_the_trellis_cannot_hold_raise():
 
 def test_preset_prints_L():
     assert str(CodecConfig.parse("tcq:bits=2,l=8")) == "tcq:L=8,bits=2,hi=0,norm=16"
+
+
+def test_default_L_follows_the_width():
+    """Each width's own default L (mmkv.codecs.tcq.DEFAULT_L), written into the canonical preset, so a run folder or
+    manifest of `tcq:bits=2` names the L it ran; an explicit L wins; `replace` keeps the resolved L."""
+    assert [CodecConfig.parse(f"tcq:bits={b}")["L"] for b in (1, 2, 3, 4, 5)] == [8, 8, 9, 11, 11]
+    assert str(CodecConfig.parse("tcq:bits=3,hi=46,norm=32")) == "tcq:L=9,bits=3,hi=46,norm=32"
+    assert CodecConfig.parse("tcq:bits=3,L=11")["L"] == 11
+    assert CodecConfig.parse("tcq:bits=2").replace(hi=45)["L"] == 8
+    assert build("tcq:bits=2", head_dim=128).L == 8

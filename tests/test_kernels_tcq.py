@@ -39,7 +39,7 @@ def _modules():
 K = _modules()
 
 # (preset, head_dim, heads (0: a bare [T, D] unit), tokens, input dtype); shipped tables only (training one takes
-# seconds): L = 8 at 2 bits, the default L = 11 at 2, 3, 4 bits.
+# seconds): L = 8 at 2 bits (the default), the default L = 9 at 3 bits and L = 11 at 4 bits.
 CASES = [
     ("tcq:bits=2,L=8", 16, 2, 5, torch.float32),
     ("tcq:bits=2,hi=3,L=8", 16, 0, 7, torch.bfloat16),

@@ -60,7 +60,7 @@ VIDEO_TARGET = 1 / 0.9  # decode + attention >= 0.9x bf16 SDPA throughput
 # TurboQuant (the 1 TB/s encode target of docs/perf.md is for those).
 ENCODE_ONLY = ("octopus:b=4,joint=0", "octopus:b=2,joint=0")
 ENCODE_TARGET_GBPS = 1500.0
-# TCQ's Viterbi search costs about 2^L * 64 * 2 compare-adds a 128-vector (docs/decisions.md, "Default L = 11"):
+# TCQ's Viterbi search costs about 2^L * 64 * 2 compare-adds a 128-vector (docs/decisions.md, "Default L by width"):
 # its own target, at the default L.
 ENCODE_TARGET_GBPS_BY_CODEC = {"tcq": 20.0}
 FIELDS = ("case", "codec", "config", "shape", "ms", "baseline_ms", "ratio", "gbps", "rel_error",

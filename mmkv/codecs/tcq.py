@@ -46,7 +46,13 @@ from mmkv.codecs.turboquant_mse import store_norm
 V = 2  # values a trellis step reconstructs
 STATE_BITS = tuple(range(4, 17))  # L; the encoder's work grows as 2^L
 BITS = (1, 2, 3, 4, 5)  # payload bits a coordinate: k = 2 * bits bits a step (halves and between: `hi`)
-DEFAULT_L = 11
+# The default L at each width: the smallest L at which TCQ's MSE is at least 25% below OCTOPUS's, with and without
+# OCTOPUS's joint rounding (fp32 norms on both sides), at OCTOPUS's effective bits of that width, on the synthetic
+# bench's 8 seeds of 1024 N(0, I) keys at d = 128 (docs/decisions.md, "Default L by width"; docs/perf.md): L = 8 at
+# b = 2 (-36% / -31%); L = 9 at b = 3 (L = 8 is -27% / -22%); L = 11 at b = 4 (L = 10 is -25% / -20%). The
+# encoder's work is 2^L, so 2 bits encode 8x and 3 bits 4x faster than at L = 11. 1 bit takes 2's; 5 bits (10-bit
+# steps) need L >= 11.
+DEFAULT_L = {1: 8, 2: 8, 3: 9, 4: 11, 5: 11}
 
 # -- the table ---------------------------------------------------------------------------------------------------
 
@@ -151,11 +157,12 @@ def states_from_codes(codes: torch.Tensor, widths: list[int], L: int) -> torch.T
     return torch.stack(out, dim=-1)
 
 
-# Shipped tables (`mmkv codebooks build`): the default L at every width the bench runs, and L = 8 at 2 bits and
-# L = 10 at 4 bits (the trained demo's presets, mmkv/demo.py); any
+# Shipped tables (`mmkv codebooks build`): the default L at every width the bench runs, L = 11 at 2 and 3 bits (the
+# default before the widths had their own, and the first GPU figures' L) and L = 10 at 4 bits (the trained demo's
+# 4-bit preset, mmkv/demo.py); any
 # other (L, k) is trained on first use (seconds at L = 8, half a minute at L = 11, about 100 s at L = 12) and kept
 # for the process.
-SHIPPED = [f"L{DEFAULT_L}_k{k}" for k in (4, 6, 8)] + ["L8_k4", "L10_k8"]
+SHIPPED = sorted({f"L{DEFAULT_L[b]}_k{2 * b}" for b in (2, 3, 4)} | {"L11_k4", "L11_k6", "L10_k8"})
 _KEY = re.compile(r"^L(\d+)_k(\d+)$")
 
 
@@ -204,17 +211,20 @@ def _chunk(L: int) -> int:
 @dataclass(frozen=True)
 class TCQConfig(CodecConfig):
     """bits (payload bits a coordinate, 1..5: k = 2 * bits bits a step), hi (steps at k + 1 bits: hi / d more bits a
-    coordinate), L (state bits, 4..16: the encoder's speed / quality dial), norm (16 or 32 bits for the gain)."""
+    coordinate), L (state bits, 4..16: the encoder's speed / quality dial; default `DEFAULT_L` of the width: 8 at 1
+    and 2 bits, 9 at 3, 11 above), norm (16 or 32 bits for the gain)."""
 
     name: ClassVar[str] = "tcq"
     aliases: ClassVar[dict[str, str]] = {"b": "bits", "l": "L"}
     bits: int = 2
     hi: int = 0
-    L: int = DEFAULT_L
+    L: int | None = None
     norm: int = 16
 
     def __post_init__(self) -> None:
         self.check_choice("bits", BITS)
+        if self.L is None:  # the width's default, written into the config (and its canonical string)
+            object.__setattr__(self, "L", DEFAULT_L[self.bits])
         self.check_int("hi", 0)
         self.check_choice("L", STATE_BITS)
         self.check_choice("norm", (16, 32))
