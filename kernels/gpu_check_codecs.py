@@ -34,13 +34,15 @@ PRESETS = [
     "turboquant-mse:b=2", "turboquant-mse:b=3", "turboquant-mse:b=4", "turboquant-prod:b=3", "qjl:bits=2",
     "polarquant:b=2", "groupquant:bits=2,group=32", "groupquant:bits=4,group=32", "kivi:bits=2,group=32",
     "kivi:bits=2,group=32,role=v", "oscar:bits=2,group=32", "oscar:bits=2,group=32,role=v",
-    "qvg:bits=2", "qvg:bits=4", "tcq:bits=2", "tcq:bits=4,hi=47,norm=32",
+    "qvg:bits=2", "qvg:bits=4", "tcq:bits=2", "tcq:bits=3", "tcq:bits=4,hi=47,norm=32", "tcq:bits=2,L=11",
 ]
 # Reference at the LLM shape only for these (the others are checked at the video shape); the references of the
 # rotation codecs hold [.., T, 43, 9, 3]-sized temporaries.
 FULL_REFERENCE = {"octopus:b=3", "turboquant-mse:b=4", "groupquant:bits=2,group=32"}
-# Launch variants timed for the two headline encoders: warps a program (one token a thread: 32 tokens a warp).
+# Launch variants timed for the two headline encoders: warps a program (one token a thread: 32 tokens a warp); for
+# TCQ's Viterbi encoder, warps a program over its 2^L path costs (one vector a program; 4 by default).
 VARIANTS = [2, 8]
+TCQ_VARIANTS = [1, 2, 8]
 
 
 def reference_encode(codec, x):
@@ -125,6 +127,8 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     variants = [None]
     if preset in ("octopus:b=3", "turboquant-mse:b=4") and not (args.quick or args.no_variants):
         variants += VARIANTS
+    elif codec.name == "tcq" and not (args.quick or args.no_variants):
+        variants += TCQ_VARIANTS
     if warm_only:
         for v in variants:
             kw = {} if v is None else {"warps": v}

@@ -133,10 +133,11 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 4) -> torch.Tensor:
     return codes.to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
-def encode(codec, x: torch.Tensor) -> Encoded:
-    """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated."""
+def encode(codec, x: torch.Tensor, *, warps: int = 4) -> Encoded:
+    """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
+    `warps`: warps a program (a launch setting: the codes do not depend on it)."""
     r, u = codec.unit_rotated(x.float())
-    codes = viterbi(codec, u)
+    codes = viterbi(codec, u, warps=warps)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, codec._pack(codes, gain))

@@ -71,10 +71,11 @@ def test_viterbi_kernel_finds_the_reference_codes(preset, d, heads, t, dtype):
     assert torch.equal(got.reshape(-1, codec.steps), ref)
 
 
-def test_encode_is_the_reference_encoding():
+@pytest.mark.parametrize("warps", [4, 2])  # the default, and a launch variant of kernels/gpu_check_codecs.py
+def test_encode_is_the_reference_encoding(warps):
     codec, x = _setup(*CASES[1])
     ref = codec._encode(x.float())
-    ker = K["tcq_encode"].encode(codec, x)
+    ker = K["tcq_encode"].encode(codec, x, warps=warps)
     assert list(ker.tensors) == list(ref.tensors)
     for name, a in ref.tensors.items():
         assert torch.equal(a, ker.tensors[name]), name
