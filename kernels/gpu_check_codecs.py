@@ -40,9 +40,10 @@ PRESETS = [
 # rotation codecs hold [.., T, 43, 9, 3]-sized temporaries.
 FULL_REFERENCE = {"octopus:b=3", "turboquant-mse:b=4", "groupquant:bits=2,group=32"}
 # Launch variants timed for the two headline encoders: warps a program (one token a thread: 32 tokens a warp); for
-# TCQ's Viterbi encoder, warps a program over its 2^L path costs (one vector a program; 4 by default).
-VARIANTS = [2, 8]
-TCQ_VARIANTS = [1, 2, 8]
+# TCQ's Viterbi encoder, warps and vectors a program over their 2^L path costs each (default: 4 warps, one vector).
+VARIANTS = [{"warps": 2}, {"warps": 8}]
+TCQ_VARIANTS = [{"warps": 1}, {"warps": 2}, {"warps": 8}, {"vectors": 4}, {"vectors": 4, "warps": 8},
+                {"vectors": 16, "warps": 8}]
 
 
 def reference_encode(codec, x):
@@ -127,12 +128,11 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     variants = [None]
     if preset in ("octopus:b=3", "turboquant-mse:b=4") and not (args.quick or args.no_variants):
         variants += VARIANTS
-    elif codec.name == "tcq" and not (args.quick or args.no_variants):
-        variants += TCQ_VARIANTS
+    elif codec.name == "tcq" and not (args.quick or args.no_variants):  # tiles of at most 8192 path costs
+        variants += [v for v in TCQ_VARIANTS if v.get("vectors", 1) << codec.L <= 8192]
     if warm_only:
         for v in variants:
-            kw = {} if v is None else {"warps": v}
-            enc = enc_fn(codec, x, **kw)
+            enc = enc_fn(codec, x, **(v or {}))
         dec_fn(codec, enc, torch.bfloat16)
         torch.cuda.synchronize()
         return row
@@ -148,9 +148,13 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     row["decode_GBs"] = row["bytes_in"] / row["decode_ms"] / 1e6
     if len(variants) > 1:
         row["variants"] = {}
-        for w in variants[1:]:
-            ms = bench(lambda: enc_fn(codec, x, warps=w))
-            row["variants"][f"warps={w}"] = {"encode_ms": ms, "encode_GBs": row["bytes_in"] / ms / 1e6}
+        for v in variants[1:]:
+            ms = bench(lambda: enc_fn(codec, x, **v))
+            name = ",".join(f"{k}={val}" for k, val in v.items())
+            row["variants"][name] = {"encode_ms": ms, "encode_GBs": row["bytes_in"] / ms / 1e6}
+            if codec.name == "tcq":  # a launch setting must not change the codes
+                row["variants"][name]["codes_equal"] = bool(torch.equal(
+                    enc_fn(codec, x, **v).tensors["code"], enc.tensors["code"]))
     if preset in FULL_REFERENCE or shape_name == "video":
         try:
             row["reference_encode_ms"] = bench(lambda: reference_encode(codec, x), reps=2, warmup=1)
@@ -243,12 +247,14 @@ def main(argv=None) -> int:
         sr = max(c["side_rel"].values()) if c.get("side_rel") else float("nan")
         cp = copies[r["shape"]]
         ref = r.get("reference_encode_ms")
-        print(f"| {r['shape']} | {r['preset']} | {r['encode_ms']:.3f} | {r['encode_GBs']:.0f} | "
+        print(f"| {r['shape']} | {r['preset']} | {r['encode_ms']:.3f} | {r['encode_GBs']:.4g} | "
               f"{r['encode_ms'] / cp:.2f} | {r['decode_ms']:.3f} | {r['decode_GBs']:.0f} | {r['decode_ms'] / cp:.2f} | "
               f"{'-' if ref is None else f'{ref:.1f}'} | {bd:.2g} | {sr:.2g} | {c.get('decode_diff_frac', float('nan')):.2g} | "
               f"{c.get('rel_mse_ref', float('nan')):.5f}/{c.get('rel_mse_kernel_enc', float('nan')):.5f} |")
         for name, v in r.get("variants", {}).items():
-            print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.0f} | {v['encode_ms'] / cp:.2f} | | | | | | | | |")
+            same = {True: "codes equal", False: "CODES DIFFER"}.get(v.get("codes_equal"), "")
+            print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.4g} | {v['encode_ms'] / cp:.2f} | | | | | "
+                  f"{same} | | | |")
     print(f"\ncopy ms: {copies}")
     if args.json:
         from mmkv.io import atomic_write_json

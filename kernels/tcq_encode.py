@@ -2,8 +2,8 @@
 trellis; reference `mmkv/codecs/tcq.py`). The rotation, the gain and the bit packing around it are the reference's
 torch code (`TCQCodec.unit_rotated`, `unit_from_codes`, `_pack`): the search is where the time goes.
 
-One program walks one vector with its 2^L path costs on chip (launches of at most `PROGRAMS` vectors reuse one
-back-pointer scratch). A step of
+One program walks `vectors` vectors (one by default) with their 2^L path costs each on chip, as a [vectors, 2^L]
+tile (launches of at most `PROGRAMS` vectors reuse one back-pointer scratch). A step of
 k = K or K + 1 bits: the costs viewed as [2^K, 2^L / 2^K] are reduced over their first axis (min and argmin, the
 lowest index on ties, as torch's `min`); a wide step folds the two halves of that result once more, which is the same
 minimum over 2^(K+1) predecessors and keeps every shape constant. The back-pointers (k bits a state column and step)
@@ -24,62 +24,64 @@ from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import LAUNCH, device_tables
 from mmkv.kernels.tcq_decode import supports  # noqa: F401  (same range as the decoder)
 
-PROGRAMS = 4096  # vectors a launch (each program with its own back-pointer scratch)
+PROGRAMS = 4096  # vectors a launch (each with its own back-pointer scratch)
 
 
 @triton.jit
-def _step_costs(u_ptr, ubase, src, tab0, tab1):
-    u0 = tl.load(u_ptr + ubase + 2 * src)
-    u1 = tl.load(u_ptr + ubase + 2 * src + 1)
-    d0 = u0 - tab0
-    d1 = u1 - tab1
+def _step_costs(u_ptr, ubase, valid, src, tab0, tab1):
+    """Squared distances [NV, S] of each vector's step `src` to every table row (no FMA: `LAUNCH`)."""
+    u0 = tl.load(u_ptr + ubase + 2 * src, mask=valid, other=0.0)
+    u1 = tl.load(u_ptr + ubase + 2 * src + 1, mask=valid, other=0.0)
+    d0 = u0[:, None] - tab0[None, :]
+    d1 = u1[:, None] - tab1[None, :]
     return d0 * d0 + d1 * d1
 
 
 @triton.jit
-def _trellis_pass(u_ptr, ubase, wide_ptr, bp_ptr, bbase, tab0, tab1, h, ROLL: tl.constexpr, CONSTRAIN: tl.constexpr,
-                  STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr):
-    """The path costs [S] after every step (steps taken from (t - ROLL) mod STEPS), back-pointers stored."""
+def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, ROLL: tl.constexpr,
+                  CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                  WIDE: tl.constexpr, NV: tl.constexpr):
+    """The path costs [NV, S] after every step (steps taken from (t - ROLL) mod STEPS), back-pointers stored."""
     S: tl.constexpr = 1 << L
     M: tl.constexpr = S >> K
     offs = tl.arange(0, S)
     src0 = (STEPS - ROLL) % STEPS
-    cost = _step_costs(u_ptr, ubase, src0, tab0, tab1)
+    cost = _step_costs(u_ptr, ubase, valid, src0, tab0, tab1)
     if CONSTRAIN:
         k0 = K + tl.load(wide_ptr + src0)
-        cost = tl.where((offs >> k0) == h, cost, float("inf"))
+        cost = tl.where((offs[None, :] >> k0) == h[:, None], cost, float("inf"))
     cols = tl.arange(0, M)
     for t in range(1, STEPS):
         src = (t + STEPS - ROLL) % STEPS
-        c2 = tl.reshape(cost, (1 << K, M))
-        best = tl.min(c2, axis=0)
-        arg = tl.argmin(c2, axis=0, tie_break_left=True)
+        c3 = tl.reshape(cost, (NV, 1 << K, M))
+        best = tl.min(c3, axis=1)
+        arg = tl.argmin(c3, axis=1, tie_break_left=True)
         if WIDE:  # a wide step: the minimum over 2^(K+1) predecessors is the lower of the two halves of `best`
             wide = tl.load(wide_ptr + src)
-            lo_b, hi_b = tl.split(tl.permute(tl.reshape(best, (2, M // 2)), (1, 0)))
-            lo_a, hi_a = tl.split(tl.permute(tl.reshape(arg, (2, M // 2)), (1, 0)))
+            lo_b, hi_b = tl.split(tl.permute(tl.reshape(best, (NV, 2, M // 2)), (0, 2, 1)))
+            lo_a, hi_a = tl.split(tl.permute(tl.reshape(arg, (NV, 2, M // 2)), (0, 2, 1)))
             take_hi = (hi_b < lo_b) | ((hi_b == lo_b) & (2 * hi_a + 1 < 2 * lo_a))
             fold_b = tl.where(take_hi, hi_b, lo_b)
             fold_a = tl.where(take_hi, 2 * hi_a + 1, 2 * lo_a)
-            best = tl.where(wide > 0, tl.reshape(tl.join(fold_b, fold_b), (M,)), best)
-            arg = tl.where(wide > 0, tl.reshape(tl.join(fold_a, fold_a), (M,)), arg)
-        tl.store(bp_ptr + bbase + t * M + cols, arg.to(tl.int16))
-        dist = _step_costs(u_ptr, ubase, src, tab0, tab1)
-        cost = tl.reshape(best[:, None] + tl.reshape(dist, (M, 1 << K)), (S,))
+            best = tl.where(wide > 0, tl.reshape(tl.join(fold_b, fold_b), (NV, M)), best)
+            arg = tl.where(wide > 0, tl.reshape(tl.join(fold_a, fold_a), (NV, M)), arg)
+        tl.store(bp_ptr + bbase[:, None] + t * M + cols[None, :], arg.to(tl.int16))
+        dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
+        cost = tl.reshape(best[:, :, None] + tl.reshape(dist, (NV, M, 1 << K)), (NV, S))
     return cost
 
 
 @triton.jit
-def _backtrack(state, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl.constexpr, STOP, WRITE: tl.constexpr,
-               STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr):
-    """Walk the back-pointers from the last step's `state` down to step STOP; returns the state there. WRITE: store
-    each step's code (its low k bits)."""
+def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl.constexpr, STOP,
+               WRITE: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr):
+    """Walk the back-pointers from the last step's `state` [NV] down to step STOP; returns the states there.
+    WRITE: store each step's code (its low k bits)."""
     M: tl.constexpr = (1 << L) >> K
     for r in range(0, STEPS - STOP):
         t = STEPS - 1 - r
         k = K + tl.load(wide_ptr + (t + STEPS - ROLL) % STEPS)
         if WRITE:
-            tl.store(codes_ptr + cbase + t, state & ((1 << k) - 1))
+            tl.store(codes_ptr + cbase + t, state & ((1 << k) - 1), mask=valid)
         if t > STOP:
             j = tl.load(bp_ptr + bbase + t * M + (state >> K)).to(tl.int32)
             state = (j << (L - k)) | (state >> k)
@@ -87,8 +89,9 @@ def _backtrack(state, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl.conste
 
 
 @triton.jit
-def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first,
-                        STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr):
+def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
+                        STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr,
+                        NV: tl.constexpr):
     S: tl.constexpr = 1 << L
     M: tl.constexpr = S >> K
     HALF: tl.constexpr = STEPS // 2
@@ -96,48 +99,57 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first,
     offs = tl.arange(0, S)
     tab0 = tl.load(table_ptr + 2 * offs)
     tab1 = tl.load(table_ptr + 2 * offs + 1)
-    bbase = pid.to(tl.int64) * STEPS * M
+    slot = pid * NV + tl.arange(0, NV)  # this launch's vectors, one back-pointer scratch each
+    vec = first + slot
+    valid = vec < n
+    bbase = slot.to(tl.int64) * STEPS * M
     k0 = K + tl.load(wide_ptr)
     low = (1 << (L - k0)) - 1
-    n = first + pid
-    ubase = n.to(tl.int64) * (2 * STEPS)
-    cbase = n.to(tl.int64) * STEPS
-    cost = _trellis_pass(u_ptr, ubase, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, HALF, False, STEPS, K, L, WIDE)
+    ubase = vec.to(tl.int64) * (2 * STEPS)
+    cbase = vec.to(tl.int64) * STEPS
+    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, HALF, False, STEPS, K, L,
+                         WIDE, NV)
     tl.debug_barrier()
-    state = _backtrack(tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32), wide_ptr, bp_ptr, bbase,
+    state = _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase,
                        codes_ptr, cbase, HALF, HALF, False, STEPS, K, L)
     h = state >> k0
     tl.debug_barrier()
-    cost = _trellis_pass(u_ptr, ubase, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, True, STEPS, K, L, WIDE)
-    cost = tl.where((offs & low) == h, cost, float("inf"))
+    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, True, STEPS, K, L,
+                         WIDE, NV)
+    cost = tl.where((offs[None, :] & low) == h[:, None], cost, float("inf"))
     tl.debug_barrier()
-    _backtrack(tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32), wide_ptr, bp_ptr, bbase, codes_ptr,
+    _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase, codes_ptr,
                cbase, 0, 0, True, STEPS, K, L)
 
 
-def viterbi(codec, u: torch.Tensor, *, warps: int = 4) -> torch.Tensor:
-    """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64."""
+def viterbi(codec, u: torch.Tensor, *, warps: int = 4, vectors: int = 1) -> torch.Tensor:
+    """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. `vectors` (a
+    power of two): vectors a program, searched side by side as an [vectors, 2^L] tile (launch settings: the codes
+    do not depend on them)."""
+    if vectors < 1 or vectors & (vectors - 1):
+        raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
     flat = u.reshape(-1, codec.steps, 2).contiguous()
     n = flat.shape[0]
     codes = torch.zeros(n, codec.steps, dtype=torch.int32, device=u.device)
     if n:
         tab = device_tables(codec, u.device, "tcq-encode", lambda: {
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
-        back = torch.empty(min(n, PROGRAMS), codec.steps, (1 << codec.L) >> codec.k, dtype=torch.int16,
-                           device=u.device)
-        for first in range(0, n, PROGRAMS):  # one program a vector, the back-pointer scratch reused per launch
-            _tcq_viterbi_kernel[(min(PROGRAMS, n - first),)](
-                flat, tab["table"], tab["wide"], back, codes, first,
-                STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, num_warps=warps, **LAUNCH,
+        per_launch = min(n, PROGRAMS)
+        back = torch.empty(triton.cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
+                           dtype=torch.int16, device=u.device)
+        for first in range(0, n, PROGRAMS):  # the back-pointer scratch reused per launch
+            _tcq_viterbi_kernel[(triton.cdiv(min(PROGRAMS, n - first), vectors),)](
+                flat, tab["table"], tab["wide"], back, codes, first, min(n, first + PROGRAMS),
+                STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, num_warps=warps, **LAUNCH,
             )
     return codes.to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
-def encode(codec, x: torch.Tensor, *, warps: int = 4) -> Encoded:
+def encode(codec, x: torch.Tensor, *, warps: int = 4, vectors: int = 1) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
-    `warps`: warps a program (a launch setting: the codes do not depend on it)."""
+    `warps`, `vectors`: warps and vectors a program (launch settings: the codes do not depend on them)."""
     r, u = codec.unit_rotated(x.float())
-    codes = viterbi(codec, u, warps=warps)
+    codes = viterbi(codec, u, warps=warps, vectors=vectors)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, codec._pack(codes, gain))

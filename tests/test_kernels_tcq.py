@@ -62,13 +62,27 @@ def test_registered_for_both_ops():
     assert not K["tcq_encode"].supports(build("tcq", head_dim=8))
 
 
+@pytest.mark.parametrize("vectors", [1, 4])  # vectors a program; 7 vectors leave a partial tile
 @pytest.mark.parametrize("preset,d,heads,t,dtype", CASES, ids=[f"{c[0]}-d{c[1]}" for c in CASES])
-def test_viterbi_kernel_finds_the_reference_codes(preset, d, heads, t, dtype):
+def test_viterbi_kernel_finds_the_reference_codes(preset, d, heads, t, dtype, vectors):
     codec, x = _setup(preset, d, heads, t, dtype)
     _, u = codec.unit_rotated(x.float())
     ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L)
-    got = K["tcq_encode"].viterbi(codec, u, warps=1)
+    got = K["tcq_encode"].viterbi(codec, u, warps=1, vectors=vectors)
     assert torch.equal(got.reshape(-1, codec.steps), ref)
+
+
+def test_viterbi_over_several_launches(monkeypatch):
+    """20 vectors in launches of 8 (the back-pointer scratch reused), 4 vectors a program, the last launch partial."""
+    codec, x = _setup("tcq:bits=2,hi=5,L=8", 16, 2, 5, torch.float32, seed=3)
+    _, u = codec.unit_rotated(x.float())
+    ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L)
+    monkeypatch.setattr(K["tcq_encode"], "PROGRAMS", 8)
+    for vectors in (1, 4):
+        got = K["tcq_encode"].viterbi(codec, u, warps=1, vectors=vectors)
+        assert torch.equal(got.reshape(-1, codec.steps), ref), vectors
+    with pytest.raises(ValueError, match="power of two"):
+        K["tcq_encode"].viterbi(codec, u, vectors=3)
 
 
 @pytest.mark.parametrize("warps", [4, 2])  # the default, and a launch variant of kernels/gpu_check_codecs.py
