@@ -457,3 +457,44 @@ def test_object_mask_is_the_named_object_only():
     rec = px + 0.1
     assert float(train.reconstruction_loss(rec, px, 0.0)) == pytest.approx(0.1 + 0.01, rel=1e-5)
     assert float(train.reconstruction_loss(rec, px, 4.0)) == pytest.approx(0.1 + 0.01, rel=1e-5)  # uniform error
+
+
+def test_latent_object_mask_covers_the_objects_cells_on_the_latent_grid():
+    """Latent cell (i, y, x) holds the object iff any pixel of its block does: frame 0 alone, then 4 frames a latent
+    frame, 4 x 4 pixels a cell; the grid is the VAE's (encode_latents' shape)."""
+    seeds = scenes.held_out_seeds(3)
+    px, _ = train.render_pixels(seeds, frames=9, height=32, width=48, device=torch.device("cpu"))
+    cells = train.latent_object_mask(px, 4, 4)
+    assert cells.shape == (3, 3, 1, 8, 12) and cells.dtype == torch.bool
+    pix = train.object_mask(px)[:, 0]  # [B, T, H, W]
+    for b in range(3):
+        for f, frames in enumerate([range(0, 1), range(1, 5), range(5, 9)]):
+            for y in range(8):
+                for x in range(12):
+                    block = pix[b, frames.start:frames.stop, 4 * y:4 * y + 4, 4 * x:4 * x + 4]
+                    assert bool(cells[b, f, 0, y, x]) == bool(block.any())
+    assert 0 < float(cells.float().mean()) < 0.2  # an object's cells, not the frame
+
+
+def test_object_weighted_mse_weights_the_objects_cells_only():
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(2, 3, 4, 5, 6, generator=g), torch.randn(2, 3, 4, 5, 6, generator=g)
+    mask = torch.zeros(2, 3, 1, 5, 6, dtype=torch.bool)
+    mask[:, :, :, 1:3, 2:4] = True
+    plain = torch.nn.functional.mse_loss(pred, target)
+    assert torch.equal(train.object_weighted_mse(pred, target, None, 0.0), plain)  # weight 0: the old loss exactly
+    assert float(train.object_weighted_mse(target + 0.5, target, mask, 4.0)) == pytest.approx(0.25, rel=1e-6)
+    on_object = target + 0.5 * mask  # the same error, only on the object's cells
+    weighted = float(train.object_weighted_mse(on_object, target, mask, 4.0))
+    assert weighted > 2 * float(torch.nn.functional.mse_loss(on_object, target))
+
+
+def test_dit_stage_trains_with_an_object_weight(stages, tmp_path):
+    root = stages[0]
+    ns = argparse.Namespace(stage="dit", config="micro", source=str(root / "vae"), out=str(tmp_path / "dit"),
+                            seed=0, budget=None, steps=6, device="cpu", init=None, decoder_only=False,
+                            overrides=["dit_object_weight=4"])
+    assert train.run(ns) == 0
+    rec = json.loads((tmp_path / "dit" / "train.json").read_text())
+    assert rec["config"]["dit_object_weight"] == 4 and rec["steps"] == 6
+    assert all(np.isfinite(v) for _, v in rec["loss_curve"])

@@ -110,6 +110,12 @@ class VideoTrainConfig:
     # the only ones with a channel above 0.6 in [-1, 1] (`scenes.COLOURS`; stripes, second object and bar stay
     # below), so the mask comes from the target itself.
     vae_object_weight: float = 0.0
+    # The DiT's flow-matching loss weight on the latent cells that hold the named object is 1 + `dit_object_weight`
+    # (normalised by the mean weight; 0: plain MSE). A small object covers 1-2% of a latent frame, so plain MSE
+    # spends almost all of its gradient on the background; the ninth run's free rollouts lost small objects that the
+    # VAE keeps (docs/training.md). The cells are the pixel mask `object_mask` max-pooled to the latent grid
+    # (`latent_object_mask`).
+    dit_object_weight: float = 0.0
     # A `vae_warm_share` of the VAE steps trains `vae_warm_chunks` chunks (4 frames each) of a full-size clip with
     # the encoder's and decoder's causal caches filled, without gradient, by the clip's first 1 to
     # `vae_warm_context` chunks (truncated back-propagation through time; `warm_reconstruct`). A whole-clip step
@@ -311,6 +317,27 @@ def object_mask(x: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, H, W] bool: pixels of clips [B, 3, T, H, W] in [-1, 1] with a channel above 0.6, which only the
     named object's colours have (`scenes.COLOURS`: a channel >= 230 of 255; everything else <= 145)."""
     return x.amax(dim=1, keepdim=True) > 0.6
+
+
+def latent_object_mask(x: torch.Tensor, spatial: int, temporal: int) -> torch.Tensor:
+    """[B, F, 1, h, w] bool, the DiT's frame-major latent layout: latent cells whose pixels hold any of the named
+    object's (`object_mask` of clips [B, 3, 1 + temporal k, H, W]). As the causal VAE maps them, latent frame 0
+    covers pixel frame 0 and latent frame i >= 1 pixel frames temporal (i - 1) + 1 ... temporal i; a cell covers
+    `spatial` x `spatial` pixels."""
+    m = object_mask(x).float()
+    first = F.max_pool3d(m[:, :, :1], (1, spatial, spatial))
+    rest = F.max_pool3d(m[:, :, 1:], (temporal, spatial, spatial))
+    return torch.cat([first, rest], dim=2).permute(0, 2, 1, 3, 4) > 0
+
+
+def object_weighted_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None,
+                        weight: float) -> torch.Tensor:
+    """MSE over [B, F, C, h, w], with the cells of `mask` [B, F, 1, h, w] weighted 1 + `weight` (normalised by the
+    mean weight, so a uniform error scores the same); plain `F.mse_loss` when `weight` is 0."""
+    if weight == 0:
+        return F.mse_loss(pred, target)
+    w = 1 + weight * mask.to(pred.dtype)
+    return (w * (pred - target).square()).mean() / w.mean()
 
 
 def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor, object_weight: float) -> torch.Tensor:
@@ -528,22 +555,27 @@ def _load_release(folder: Path, device: torch.device):
 
 @torch.no_grad()
 def build_dataset(vae, cfg: VideoTrainConfig, device: torch.device, seed: int, budget_s: float | None = None,
-                  log: Callable[[str], None] = print) -> tuple[torch.Tensor, list[str], list[int]]:
-    """`cfg.dit_clips` training clips as normalised latents (bf16 on CUDA), their captions and seeds; with
-    `budget_s`, fewer if encoding them would take longer (the count is recorded)."""
+                  log: Callable[[str], None] = print
+                  ) -> tuple[torch.Tensor, list[str], list[int], torch.Tensor | None]:
+    """`cfg.dit_clips` training clips as normalised latents (bf16 on CUDA), their captions and seeds, and their
+    `latent_object_mask`s when `cfg.dit_object_weight` is set (else None); with `budget_s`, fewer if encoding them
+    would take longer (the count is recorded)."""
     gen = torch.Generator().manual_seed(seed)
     seeds = training_seeds(gen, cfg.dit_clips)
     t0 = time.perf_counter()
-    lat, caps = [], []
+    lat, caps, masks = [], [], []
+    spatial, temporal = cfg.vae["scale_factor_spatial"], cfg.vae["scale_factor_temporal"]
     for i in range(0, len(seeds), cfg.encode_batch):
         if budget_s is not None and i and time.perf_counter() - t0 > budget_s:
             seeds = seeds[:i]
             break
         video, c = render_clips(seeds[i:i + cfg.encode_batch], cfg, device)
         lat.append(encode_latents(vae, video).to(torch.bfloat16 if device.type == "cuda" else torch.float32))
+        if cfg.dit_object_weight:
+            masks.append(latent_object_mask(video, spatial, temporal))
         caps += c
     log(f"dataset: {len(seeds)} clips rendered and encoded in {time.perf_counter() - t0:.1f} s")
-    return torch.cat(lat), caps, seeds
+    return torch.cat(lat), caps, seeds, torch.cat(masks) if masks else None
 
 
 def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: torch.device, seed: int,
@@ -551,8 +583,8 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
               log: Callable[[str], None] = print) -> dict[str, Any]:
     t_start = time.perf_counter()
     vae = _load_vae(vae_folder, device)
-    data, captions, data_seeds = build_dataset(vae, cfg, device, seed,
-                                               None if budget_s is None else 0.25 * budget_s, log)
+    data, captions, data_seeds, objects = build_dataset(vae, cfg, device, seed,
+                                                        None if budget_s is None else 0.25 * budget_s, log)
     tokenizer = word_tokenizer(scenes.vocabulary(), cfg.text_len)
     ids, mask = tokenize(tokenizer, captions, cfg.text_len)
     empty_ids, empty_mask = tokenize(tokenizer, [""], cfg.text_len)
@@ -578,6 +610,7 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
         batch = cfg.first_block_batch if first_only else cfg.dit_batch
         idx = torch.randint(0, data.shape[0], (batch,), generator=cpu_gen).to(device)
         x0 = (data[idx, :fpb] if first_only else data[idx]).float()
+        cells = None if objects is None else (objects[idx, :fpb] if first_only else objects[idx])
         drop = (torch.rand(batch, generator=cpu_gen) < cfg.empty_caption).to(device)
         b_ids = torch.where(drop[:, None], empty_ids, ids[idx])
         b_mask = torch.where(drop[:, None], empty_mask, mask[idx])
@@ -591,7 +624,7 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
             flow = first_block_flow(dit, noisy, t, context)
         else:
             flow = teacher_forced_flow(dit, x0, noisy, t, context, patterns[fpb])
-        return F.mse_loss(flow.float(), noise - x0)
+        return object_weighted_mse(flow.float(), noise - x0, cells, cfg.dit_object_weight)
 
     def after(step: int) -> None:
         ema_update(ema_dit, dit, cfg.ema, step)
