@@ -38,19 +38,24 @@ def seeded(seed: int, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 
 
 class Budget:
-    """Cuts a stage's step count to its wall-clock budget, from the time of steps `warm`..`probe` (the first steps
-    pay for CUDA context, cuDNN algorithm search and allocator growth, and would under-count what fits), and again
-    every `probe` steps after that from the mean step time since `warm`, never raising the count: a GPU shared with
-    another run can slow down after the probe (a SAT stage planned from its probe ran 704 s on a 400 s budget;
-    docs/training.md)."""
+    """Fits a stage's step count to its wall-clock budget. The first plan comes from the time of steps `warm`..`probe`
+    (the first steps pay for CUDA context, cuDNN algorithm search and allocator growth, and would under-count what
+    fits); every `probe` steps after that the plan is redone from the time of the last `probe` steps, since a GPU
+    shared with another run changes speed when that run changes stage. The plan falls whenever the steps slow down
+    (a SAT stage planned from its probe alone ran 704 s on a 400 s budget), and rises, up to the configured `steps`,
+    while less than half of it is done: a VAE stage whose probe overlapped another lane's start ran 354 ms a step
+    against its probe's 507 and, never raising its plan, ended 200 s of its 702 s early (docs/training.md). Raising
+    it late would restart the cosine schedule's decay, so the second half keeps its plan or shortens it."""
 
     def __init__(self, steps: int, budget_s: float | None, probe: int = 50):
+        self.cap = steps
         self.steps = steps
         self.budget_s = budget_s
         self.probe = probe
         self.warm = probe // 5
         self.start = time.perf_counter()
         self._warm_at = self.start
+        self._last_at = self.start
         self.step_seconds: float | None = None
 
     def update(self, done: int) -> None:
@@ -58,12 +63,18 @@ class Budget:
             self._warm_at = time.perf_counter()
         if done >= self.probe and done % self.probe == 0:
             now = time.perf_counter()
-            seconds = (now - self._warm_at) / max(1, done - self.warm)
             if done == self.probe:
+                seconds = (now - self._warm_at) / max(1, done - self.warm)
                 self.step_seconds = seconds  # what train.json reports as the probe
-            if self.budget_s is not None:
+            else:
+                seconds = (now - self._last_at) / self.probe
+            self._last_at = now
+            if self.budget_s is not None and seconds > 0:
                 fit = done + int((self.budget_s - (now - self.start)) / seconds)
-                self.steps = max(min(self.steps, fit), done)
+                if fit < self.steps:
+                    self.steps = max(fit, done)
+                elif done == self.probe or 2 * done <= self.steps:
+                    self.steps = min(self.cap, fit)
 
 
 def lr_at(step: int, total: int, warmup: int, lr: float) -> float:

@@ -441,6 +441,32 @@ def test_budget_replans_when_steps_slow_down_after_the_probe(monkeypatch):
     assert clock["t"] <= 215.0  # the plan alone would have run to 50 + 150 x 3 = 500 s
 
 
+def test_budget_raises_its_plan_when_steps_speed_up_in_the_first_half(monkeypatch):
+    """Steps of 3 s through the probe (another lane starting beside it), then 1 s: a 1000 s budget must be used
+    (about 900 steps), not ended at the probe's plan of 333 steps and 500 s; never above the configured steps."""
+    from mmkv.pipelines import training
+
+    def run(cap: int, slow_until: int, budget_s: float) -> tuple[int, float]:
+        clock = {"t": 0.0}
+        monkeypatch.setattr(training.time, "perf_counter", lambda: clock["t"])
+        budget = training.Budget(cap, budget_s, probe=50)
+        done = 0
+        while done < budget.steps:
+            clock["t"] += 3.0 if done < slow_until else 1.0
+            done += 1
+            budget.update(done)
+            if done == 50:
+                assert budget.steps == min(cap, 50 + int((budget_s - 150.0) / 3.0))
+        return done, clock["t"]
+
+    done, t = run(10_000, 50, 1000.0)
+    assert 880 <= done <= 910 and 980.0 <= t <= 1000.0
+    assert run(600, 50, 1000.0)[0] == 600  # the configured steps stay the cap
+    # Faster only after half of the plan: kept (raising it would restart the cosine decay); 333 steps, 799 s.
+    done, t = run(10_000, 200, 1000.0)
+    assert done == 333 and t == pytest.approx(200 * 3.0 + 133 * 1.0)
+
+
 def test_object_mask_is_the_named_object_only():
     """The VAE's object weight must land on the named object's pixels and nowhere else in rendered clips."""
     from mmkv.pipelines.wan import scenes
