@@ -40,8 +40,10 @@ def _step_costs(u_ptr, ubase, valid, src, tab0, tab1):
 @triton.jit
 def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, ROLL: tl.constexpr,
                   CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-                  WIDE: tl.constexpr, NV: tl.constexpr):
-    """The path costs [NV, S] after every step (steps taken from (t - ROLL) mod STEPS), back-pointers stored."""
+                  WIDE: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr):
+    """The path costs [NV, S] after every step (steps taken from (t - ROLL) mod STEPS), back-pointers stored.
+    PREFETCH: each step's input pair is loaded one step ahead, so that its load is not on the step's critical path
+    (the same values, so the same costs)."""
     S: tl.constexpr = 1 << L
     M: tl.constexpr = S >> K
     offs = tl.arange(0, S)
@@ -51,8 +53,17 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
         k0 = K + tl.load(wide_ptr + src0)
         cost = tl.where((offs[None, :] >> k0) == h[:, None], cost, float("inf"))
     cols = tl.arange(0, M)
+    if PREFETCH:
+        src1 = (1 + STEPS - ROLL) % STEPS
+        n0 = tl.load(u_ptr + ubase + 2 * src1, mask=valid, other=0.0)
+        n1 = tl.load(u_ptr + ubase + 2 * src1 + 1, mask=valid, other=0.0)
     for t in range(1, STEPS):
         src = (t + STEPS - ROLL) % STEPS
+        if PREFETCH:
+            u0, u1 = n0, n1
+            nxt = (t + 1 + STEPS - ROLL) % STEPS  # one load past the last step: in range, unused
+            n0 = tl.load(u_ptr + ubase + 2 * nxt, mask=valid, other=0.0)
+            n1 = tl.load(u_ptr + ubase + 2 * nxt + 1, mask=valid, other=0.0)
         c3 = tl.reshape(cost, (NV, 1 << K, M))
         best = tl.min(c3, axis=1)
         arg = tl.argmin(c3, axis=1, tie_break_left=True)
@@ -66,7 +77,12 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
             best = tl.where(wide > 0, tl.reshape(tl.join(fold_b, fold_b), (NV, M)), best)
             arg = tl.where(wide > 0, tl.reshape(tl.join(fold_a, fold_a), (NV, M)), arg)
         tl.store(bp_ptr + bbase[:, None] + t * M + cols[None, :], arg.to(tl.int16))
-        dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
+        if PREFETCH:
+            d0 = u0[:, None] - tab0[None, :]
+            d1 = u1[:, None] - tab1[None, :]
+            dist = d0 * d0 + d1 * d1
+        else:
+            dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
         cost = tl.reshape(best[:, :, None] + tl.reshape(dist, (NV, M, 1 << K)), (NV, S))
     return cost
 
@@ -91,7 +107,7 @@ def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl
 @triton.jit
 def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                         STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr,
-                        NV: tl.constexpr):
+                        NV: tl.constexpr, PREFETCH: tl.constexpr):
     S: tl.constexpr = 1 << L
     M: tl.constexpr = S >> K
     HALF: tl.constexpr = STEPS // 2
@@ -108,48 +124,55 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
     ubase = vec.to(tl.int64) * (2 * STEPS)
     cbase = vec.to(tl.int64) * STEPS
     cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, HALF, False, STEPS, K, L,
-                         WIDE, NV)
+                         WIDE, NV, PREFETCH)
     tl.debug_barrier()
     state = _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase,
                        codes_ptr, cbase, HALF, HALF, False, STEPS, K, L)
     h = state >> k0
     tl.debug_barrier()
     cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, True, STEPS, K, L,
-                         WIDE, NV)
+                         WIDE, NV, PREFETCH)
     cost = tl.where((offs[None, :] & low) == h[:, None], cost, float("inf"))
     tl.debug_barrier()
     _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase, codes_ptr,
                cbase, 0, 0, True, STEPS, K, L)
 
 
-def viterbi(codec, u: torch.Tensor, *, warps: int = 4, vectors: int = 1) -> torch.Tensor:
-    """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. `vectors` (a
-    power of two): vectors a program, searched side by side as an [vectors, 2^L] tile (launch settings: the codes
-    do not depend on them)."""
+def viterbi(codec, u: torch.Tensor, *, warps: int = 4, vectors: int = 1, prefetch: bool = False,
+            programs: int | None = None) -> torch.Tensor:
+    """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings
+    (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
+    as an [vectors, 2^L] tile; `prefetch`: each step's inputs loaded one step ahead; `programs`: vectors a launch
+    (default `PROGRAMS`), each with its own back-pointer scratch of steps x 2^(L-k) int16."""
     if vectors < 1 or vectors & (vectors - 1):
         raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
+    per = PROGRAMS if programs is None else programs
+    if isinstance(per, bool) or not isinstance(per, int) or per < 1:
+        raise ValueError(f"tcq_encode: programs (vectors a launch) must be a positive int, got {programs!r}")
     flat = u.reshape(-1, codec.steps, 2).contiguous()
     n = flat.shape[0]
     codes = torch.zeros(n, codec.steps, dtype=torch.int32, device=u.device)
     if n:
         tab = device_tables(codec, u.device, "tcq-encode", lambda: {
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
-        per_launch = min(n, PROGRAMS)
+        per_launch = min(n, per)
         back = torch.empty(triton.cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
                            dtype=torch.int16, device=u.device)
-        for first in range(0, n, PROGRAMS):  # the back-pointer scratch reused per launch
-            _tcq_viterbi_kernel[(triton.cdiv(min(PROGRAMS, n - first), vectors),)](
-                flat, tab["table"], tab["wide"], back, codes, first, min(n, first + PROGRAMS),
-                STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, num_warps=warps, **LAUNCH,
+        for first in range(0, n, per):  # the back-pointer scratch reused per launch
+            _tcq_viterbi_kernel[(triton.cdiv(min(per, n - first), vectors),)](
+                flat, tab["table"], tab["wide"], back, codes, first, min(n, first + per),
+                STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, PREFETCH=bool(prefetch),
+                num_warps=warps, **LAUNCH,
             )
     return codes.to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
-def encode(codec, x: torch.Tensor, *, warps: int = 4, vectors: int = 1) -> Encoded:
+def encode(codec, x: torch.Tensor, *, warps: int = 4, vectors: int = 1, prefetch: bool = False,
+           programs: int | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
-    `warps`, `vectors`: warps and vectors a program (launch settings: the codes do not depend on them)."""
+    `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them)."""
     r, u = codec.unit_rotated(x.float())
-    codes = viterbi(codec, u, warps=warps, vectors=vectors)
+    codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, codec._pack(codes, gain))

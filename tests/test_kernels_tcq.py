@@ -85,6 +85,26 @@ def test_viterbi_over_several_launches(monkeypatch):
         K["tcq_encode"].viterbi(codec, u, vectors=3)
 
 
+@pytest.mark.parametrize("preset", ["tcq:bits=2,hi=5,L=8", "tcq:bits=3,L=9"])  # with and without wide steps
+def test_viterbi_launch_settings_keep_the_codes(preset):
+    """The launch variants kernels/gpu_check_codecs.py times (inputs loaded a step ahead, vectors a launch) find the
+    reference's codes; 20 vectors in launches of 8 leave a partial last launch."""
+    codec, x = _setup(preset, 16, 2, 5, torch.float32, seed=4)
+    _, u = codec.unit_rotated(x.float())
+    ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L)
+    for vectors, prefetch, programs in ((1, True, 8), (4, True, None), (2, False, 6)):
+        got = K["tcq_encode"].viterbi(codec, u, warps=1, vectors=vectors, prefetch=prefetch, programs=programs)
+        assert torch.equal(got.reshape(-1, codec.steps), ref), (vectors, prefetch, programs)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="programs"):
+            K["tcq_encode"].viterbi(codec, u, programs=bad)
+    import inspect
+
+    from mmkv.kernels import gpu_check_codecs
+    accepted = set(inspect.signature(K["tcq_encode"].encode).parameters)
+    assert all(set(v) <= accepted for v in gpu_check_codecs.TCQ_VARIANTS)
+
+
 @pytest.mark.parametrize("warps", [4, 2])  # the default, and a launch variant of kernels/gpu_check_codecs.py
 def test_encode_is_the_reference_encoding(warps):
     codec, x = _setup(*CASES[1])
