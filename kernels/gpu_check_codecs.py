@@ -145,6 +145,11 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     enc = enc_fn(codec, x)
     row["encode_ms"] = bench(lambda: enc_fn(codec, x))
     row["decode_ms"] = bench(lambda: dec_fn(codec, enc, torch.bfloat16))
+    if codec.name == "tcq":  # the Viterbi search alone, on the rotated unit vectors (the rest is torch around it)
+        from mmkv.kernels import tcq_encode
+
+        _, u = codec.unit_rotated(x.float())
+        row["viterbi_ms"] = bench(lambda: tcq_encode.viterbi(codec, u))
     row["bytes_in"] = x.numel() * 2
     row["stored_bytes"] = enc.nbytes
     row["encode_GBs"] = row["bytes_in"] / row["encode_ms"] / 1e6
