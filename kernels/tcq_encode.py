@@ -28,13 +28,19 @@ PROGRAMS = 4096  # vectors a launch (each with its own back-pointer scratch)
 
 
 @triton.jit
-def _step_costs(u_ptr, ubase, valid, src, tab0, tab1):
-    """Squared distances [NV, S] of each vector's step `src` to every table row (no FMA: `LAUNCH`)."""
-    u0 = tl.load(u_ptr + ubase + 2 * src, mask=valid, other=0.0)
-    u1 = tl.load(u_ptr + ubase + 2 * src + 1, mask=valid, other=0.0)
+def _pair_costs(u0, u1, tab0, tab1):
+    """Squared distances [NV, S] of each vector's pair (u0, u1) [NV] to every table row (no FMA: `LAUNCH`)."""
     d0 = u0[:, None] - tab0[None, :]
     d1 = u1[:, None] - tab1[None, :]
     return d0 * d0 + d1 * d1
+
+
+@triton.jit
+def _step_costs(u_ptr, ubase, valid, src, tab0, tab1):
+    """Squared distances [NV, S] of each vector's step `src` to every table row."""
+    u0 = tl.load(u_ptr + ubase + 2 * src, mask=valid, other=0.0)
+    u1 = tl.load(u_ptr + ubase + 2 * src + 1, mask=valid, other=0.0)
+    return _pair_costs(u0, u1, tab0, tab1)
 
 
 @triton.jit
@@ -78,9 +84,7 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
             arg = tl.where(wide > 0, tl.reshape(tl.join(fold_a, fold_a), (NV, M)), arg)
         tl.store(bp_ptr + bbase[:, None] + t * M + cols[None, :], arg.to(tl.int16))
         if PREFETCH:
-            d0 = u0[:, None] - tab0[None, :]
-            d1 = u1[:, None] - tab1[None, :]
-            dist = d0 * d0 + d1 * d1
+            dist = _pair_costs(u0, u1, tab0, tab1)
         else:
             dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
         cost = tl.reshape(best[:, :, None] + tl.reshape(dist, (NV, M, 1 << K)), (NV, S))
