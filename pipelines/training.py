@@ -47,7 +47,9 @@ class Budget:
     against its probe's 507 and, never raising its plan, ended 200 s of its 702 s early (docs/training.md). Raising
     it late would restart the cosine schedule's decay, so the second half keeps its plan or shortens it."""
 
-    def __init__(self, steps: int, budget_s: float | None, probe: int = 50):
+    def __init__(self, steps: int, budget_s: float | None, probe: int = 50,
+                 sync: Callable[[], None] | None = None):
+        self.sync = sync  # waits for the device's queued work before each reading of the clock (CUDA: no step syncs)
         self.cap = steps
         self.steps = steps
         self.budget_s = budget_s
@@ -59,6 +61,9 @@ class Budget:
         self.step_seconds: float | None = None
 
     def update(self, done: int) -> None:
+        timed = done == self.warm or (done >= self.probe and done % self.probe == 0)
+        if timed and self.sync is not None:
+            self.sync()
         if done == self.warm:
             self._warm_at = time.perf_counter()
         if done >= self.probe and done % self.probe == 0:
@@ -98,8 +103,13 @@ def ema_decay(decay: float, step: int) -> float:
 def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float, step: int) -> None:
     """One EMA step towards `model` at `ema_decay(decay, step)`."""
     d = ema_decay(decay, step)
-    for e, p in zip(ema.parameters(), model.parameters()):
-        e.lerp_(p.detach().to(e.dtype), 1 - d)
+    pairs = list(zip(ema.parameters(), model.parameters()))
+    same = [(e, p) for e, p in pairs if e.dtype == p.dtype and e.device == p.device]
+    if same:  # one fused launch for all of them instead of one a tensor (the same lerp, element for element)
+        torch._foreach_lerp_([e for e, _ in same], [p.detach() for _, p in same], 1 - d)
+    for e, p in pairs:
+        if e.dtype != p.dtype or e.device != p.device:
+            e.lerp_(p.detach().to(e.dtype), 1 - d)
 
 
 def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -109,24 +119,37 @@ def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 @dataclass
 class Curve:
-    """Loss curve in windows of `every` steps (mean), for train.json and docs/training.md."""
+    """Loss curve in windows of `every` steps (mean), for train.json and docs/training.md. A loss may be a device
+    tensor: the window sums it on the device in float64 (the same additions, in the same order, as Python floats)
+    and reads it back once per window, so that the steps between need not wait for the GPU."""
 
     every: int = 50
     points: list[tuple[int, float]] = field(default_factory=list)
-    _acc: float = 0.0
+    _acc: float | torch.Tensor = 0.0
     _n: int = 0
 
-    def add(self, step: int, loss: float) -> None:
-        self._acc += loss
+    def add(self, step: int, loss: float | torch.Tensor) -> float | None:
+        """Adds one step's loss; returns the window's mean when this step closes a window, else None."""
+        self._acc = self._acc + (loss.detach().double() if isinstance(loss, torch.Tensor) else loss)
         self._n += 1
-        if self._n == self.every:
-            self.points.append((step + 1, self._acc / self._n))
-            self._acc, self._n = 0.0, 0
+        return self._close(step + 1) if self._n == self.every else None
 
-    def flush(self, step: int) -> None:
-        if self._n:
-            self.points.append((step, self._acc / self._n))
-            self._acc, self._n = 0.0, 0
+    def flush(self, step: int) -> float | None:
+        return self._close(step) if self._n else None
+
+    def _close(self, step: int) -> float:
+        mean = float(self._acc) / self._n
+        self.points.append((step, mean))
+        self._acc, self._n = 0.0, 0
+        return mean
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor (indices and masks drawn from a CPU generator) on `device` without waiting for the GPU: a copy
+    from pageable memory first waits for all the work queued before it, a copy from pinned memory does not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def autocast(device: torch.device):
@@ -142,9 +165,16 @@ def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Te
     """AdamW on `loss_fn(step)` for `steps` steps (cut to `budget_s`), under bf16 autocast on CUDA unless `amp` is
     False (models whose distances or spectra must stay fp32 run without it)."""
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01, eps=1e-8)
-    budget = Budget(steps, budget_s, probe=min(50, steps))
+    budget = Budget(steps, budget_s, probe=min(50, steps),
+                    sync=torch.cuda.synchronize if device.type == "cuda" else None)
     curve = Curve(every=max(1, min(50, steps // 10)))
     step = 0
+
+    def check(mean: float | None, last: int) -> None:
+        if mean is not None and not math.isfinite(mean):
+            raise RuntimeError(f"{name}: loss is {mean} in the {curve.every} steps to step {last}; "
+                               "lower the learning rate")
+
     while step < budget.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, budget.steps, warmup, lr)
@@ -156,17 +186,17 @@ def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Te
         opt.step()
         if after_step is not None:
             after_step(step)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise RuntimeError(f"{name}: loss is {value} at step {step}; lower the learning rate")
-        curve.add(step, value)
+        check(curve.add(step, loss), step + 1)  # read back once a window (CUDA: no wait for the GPU per step)
         step += 1
         budget.update(step)
         if step == budget.probe:
             log(f"{name}: {budget.step_seconds * 1000:.1f} ms a step over the first {step}; running {budget.steps}")
         if step % max(1, budget.steps // 10) == 0:
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise RuntimeError(f"{name}: loss is {value} at step {step - 1}; lower the learning rate")
             log(f"{name}: step {step}/{budget.steps} loss {value:.5f}")
-    curve.flush(step)
+    check(curve.flush(step), step)
     seconds = time.perf_counter() - budget.start
     return {"steps": step, "planned_steps": steps, "seconds": round(seconds, 2),
             "ms_per_step": round(1000 * seconds / max(1, step), 2),

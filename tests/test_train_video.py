@@ -90,6 +90,52 @@ def test_noisy_copy_reuses_the_clean_rope_indices():
     assert not torch.equal(per_frame[0], per_frame[1])
 
 
+def test_positions_are_checked_on_the_host_and_kept():
+    """Positions given on the CPU (teacher forcing's) are checked there and give the rows of the same positions given
+    on the tables' device; out-of-range ones are refused with the range."""
+    from mmkv.pipelines.wan.model import ModelError
+
+    dit = train.build_dit(train.get_config("micro"), seed=0)
+    rope = dit.transformer.rope
+    x = torch.zeros(1, 16, 4, 2, 2)
+    dit.state.frame_positions = torch.tensor([0, 1, 0, 1])
+    cos_a, sin_a = rope(x)
+    dit.state.frame_positions = torch.tensor([0, 1, 0, 1]).clone()  # a second tensor, the same values: the kept copy
+    cos_b, sin_b = rope(x)
+    assert torch.equal(cos_a, cos_b) and torch.equal(sin_a, sin_b)
+    for bad in ([0, 1, 0, rope.max_seq_len], [0, -1, 0, 1], [0, 1, 0]):
+        dit.state.frame_positions = torch.tensor(bad)
+        with pytest.raises(ModelError, match="frame_positions must hold 4 indices"):
+            rope(x)
+    dit.state.frame_positions = None
+
+
+def test_curve_reads_device_losses_back_once_a_window_with_python_float_sums():
+    """Losses given as tensors (a training step's, never read back between windows) give the very curve that their
+    Python floats give; a window's mean comes back when it closes, and a NaN inside a window stops `optimise`."""
+    from mmkv.pipelines import training
+
+    values = torch.randn(23, generator=torch.Generator().manual_seed(0)).abs() * 1e-3 + 0.1
+    a, b = training.Curve(every=5), training.Curve(every=5)
+    closed = []
+    for i, v in enumerate(values):
+        a.add(i, float(v))
+        closed.append(b.add(i, v.clone()))
+    a.flush(len(values))
+    b.flush(len(values))
+    assert a.points == b.points and len(b.points) == 5
+    assert [c is not None for c in closed] == [(i + 1) % 5 == 0 for i in range(23)]
+
+    w = torch.nn.Parameter(torch.ones(3))
+
+    def loss_fn(step):
+        return (w * w).sum() * (float("nan") if step == 12 else 1.0)
+
+    with pytest.raises(RuntimeError, match="loss is nan in the 5 steps to step 15"):
+        training.optimise([w], loss_fn, steps=50, lr=1e-3, warmup=1, budget_s=None, device=torch.device("cpu"),
+                          log=lambda m: None, name="t")
+
+
 def test_every_stage_lowers_its_loss_and_writes_weights_only(stages):
     root, vae, dit, dist = stages
     assert _falls(vae["loss_curve"], 0.75), vae["loss_curve"]

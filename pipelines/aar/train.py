@@ -65,6 +65,7 @@ from mmkv.pipelines.aar.train_data import (  # noqa: F401
 )
 from mmkv.pipelines.training import (
     add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, start_stage,
+    to_device,
 )
 
 STAGES = ("clap", "sat", "aar")
@@ -209,7 +210,7 @@ def train_clap(cfg: AudioTrainConfig, out: Path, *, device: torch.device, seed: 
     size = min(cfg.clap_batch, len(batch))
 
     def loss_fn(step: int) -> torch.Tensor:
-        idx = torch.randperm(len(batch), generator=train_gen)[:size].to(device)
+        idx = to_device(torch.randperm(len(batch), generator=train_gen)[:size], device)
         return contrastive_loss(model, audio_embeddings(model, features[idx]),
                                 text_embeddings(model, ids[idx], mask[idx]), groups[idx])
 
@@ -281,7 +282,7 @@ def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     parts: dict[str, list[torch.Tensor]] = {"l1": [], "mel": [], "commit": [], "si_snr_db": []}
 
     def loss_fn(step: int) -> torch.Tensor:
-        idx = torch.randint(0, len(batch), (cfg.sat_batch,), generator=train_gen).to(device)
+        idx = to_device(torch.randint(0, len(batch), (cfg.sat_batch,), generator=train_gen), device)
         wave = random_crop(pool[idx], cfg.clip_samples, train_gen)[:, None]
         f_hat, _, commit = quantize(sat, sat.encoder(wave), codebooks, cfg.commitment)
         recon = sat.fhat_to_audio(f_hat)
@@ -378,9 +379,9 @@ def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     splits = list(acfg.patch_nums)
 
     def loss_fn(step: int) -> torch.Tensor:
-        idx = torch.randint(0, len(batch), (cfg.aar_batch,), generator=train_gen).to(device)
+        idx = to_device(torch.randint(0, len(batch), (cfg.aar_batch,), generator=train_gen), device)
         target = tokens[idx]
-        drop = (torch.rand(cfg.aar_batch, 1, generator=train_gen) < cfg.cond_drop).to(device)
+        drop = to_device(torch.rand(cfg.aar_batch, 1, generator=train_gen) < cfg.cond_drop, device)
         cond = torch.where(drop, aar.uncond_embedding, conds[idx])  # upstream model/aar.py forward
         logits = aar(cond, teacher_inputs(sat, list(target.split(splits, dim=1))))
         return F.cross_entropy(logits.reshape(-1, aar.V), target.reshape(-1))

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from mmkv.pipelines.training import ema_update, frozen_copy, optimise
+from mmkv.pipelines.training import ema_update, frozen_copy, optimise, to_device
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.loop import get_preset
 from mmkv.pipelines.wan.release import write_release
@@ -144,13 +144,13 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
                                            or float(torch.rand(1, generator=train_gen)) < cfg.framewise)
         fpb = 1 if use_frame else cfg.frames_per_block
         traj = trajectories[fpb]
-        idx = torch.randint(0, traj["end"].shape[0], (cfg.distill_batch,), generator=train_gen).to(device)
+        idx = to_device(torch.randint(0, traj["end"].shape[0], (cfg.distill_batch,), generator=train_gen), device)
         x0 = traj["end"][idx].float()
         blocks = f // fpb
         pick = torch.randint(0, len(traj["ts"]), (cfg.distill_batch, blocks), generator=train_gen)
-        t = torch.tensor(traj["ts"], dtype=torch.float32)[pick].repeat_interleave(fpb, dim=1).to(device)
+        t = to_device(torch.tensor(traj["ts"], dtype=torch.float32)[pick].repeat_interleave(fpb, dim=1), device)
         stack = torch.stack([traj["states"][ts][idx] for ts in traj["ts"]], dim=0)  # [T, B, F, C, h, w]
-        choice = pick.repeat_interleave(fpb, dim=1).to(device)  # [B, F]
+        choice = to_device(pick.repeat_interleave(fpb, dim=1), device)  # [B, F]
         noisy = torch.gather(stack, 0, choice[None, :, :, None, None, None].expand(1, *stack.shape[1:]))[0].float()
         flow = teacher_forced_flow(student, x0, noisy, t, traj["context"][idx].float(), patterns[fpb])
         x0_pred = noisy - (t / 1000).view(*t.shape, 1, 1, 1) * flow.float()

@@ -117,11 +117,27 @@ class OffsetRoPE(nn.Module):
         self._cos = [c.double() for c in cos]
         self._sin = [s.double() for s in sin]
         self._device_tables: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._device_positions: dict[tuple, torch.Tensor] = {}
 
     def _tables(self, device: torch.device):
         if device not in self._device_tables:
             self._device_tables[device] = ([c.to(device) for c in self._cos], [s.to(device) for s in self._sin])
         return self._device_tables[device]
+
+    def _positions(self, pos: torch.Tensor, ppf: int, device: torch.device) -> torch.Tensor:
+        """`frame_positions` checked and on `device`. Positions given on the CPU (as teacher forcing gives them) are
+        checked there and their device copy kept, so that a training step neither waits for the GPU to read them back
+        nor copies them again; positions already on the device are checked with a read-back."""
+        host = pos.device.type == "cpu"
+        if pos.numel() != ppf or int(pos.min()) < 0 or int(pos.max()) >= self.max_seq_len:
+            raise ModelError(f"frame_positions must hold {ppf} indices in [0, {self.max_seq_len}), got "
+                             f"{pos.numel()} in [{int(pos.min())}, {int(pos.max())}]")
+        if not host or device.type == "cpu":
+            return pos.to(device)
+        key = (tuple(pos.tolist()), device)
+        if key not in self._device_positions:
+            self._device_positions[key] = pos.to(device)
+        return self._device_positions[key]
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, _, frames, height, width = hidden_states.shape
@@ -135,12 +151,11 @@ class OffsetRoPE(nn.Module):
             )
         cos, sin = self._tables(hidden_states.device)
         pos = self.state.frame_positions
-        if pos is not None and (pos.numel() != ppf or int(pos.min()) < 0 or int(pos.max()) >= self.max_seq_len):
-            raise ModelError(f"frame_positions must hold {ppf} indices in [0, {self.max_seq_len}), got "
-                             f"{pos.numel()} in [{int(pos.min())}, {int(pos.max())}]")
+        if pos is not None:
+            pos = self._positions(pos, ppf, hidden_states.device)
 
         def grid(tables):
-            t = tables[0][s:s + ppf] if pos is None else tables[0][pos.to(tables[0].device)]
+            t = tables[0][s:s + ppf] if pos is None else tables[0][pos]
             t = t.view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1)
             h = tables[1][:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1)
             w = tables[2][:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)

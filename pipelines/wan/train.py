@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from mmkv.io import save_pretrained
 from mmkv.pipelines.training import (
     add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, seeded,
-    start_stage,
+    start_stage, to_device,
 )
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.model import TeacherForcing
@@ -285,7 +285,7 @@ def teacher_forced_flow(dit, clean: torch.Tensor, noisy: torch.Tensor, t_frames:
     b, f = clean.shape[:2]
     inputs = torch.cat([clean, noisy], dim=1)
     timestep = torch.cat([torch.zeros_like(t_frames), t_frames], dim=1)
-    positions = torch.arange(f, device=clean.device).repeat(2)
+    positions = torch.arange(f).repeat(2)  # on the CPU: the model checks them there and keeps their device copy
     out = dit(inputs, timestep, context, mode="full", attn_mask=mask, frame_positions=positions)
     return out[:, f:]
 
@@ -608,10 +608,10 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
         first_only = float(torch.rand(1, generator=cpu_gen)) < cfg.first_block_share
         fpb = block_size(cfg, cpu_gen)  # the frame-wise loops' first block is latent frame 0 alone
         batch = cfg.first_block_batch if first_only else cfg.dit_batch
-        idx = torch.randint(0, data.shape[0], (batch,), generator=cpu_gen).to(device)
+        idx = to_device(torch.randint(0, data.shape[0], (batch,), generator=cpu_gen), device)
         x0 = (data[idx, :fpb] if first_only else data[idx]).float()
         cells = None if objects is None else (objects[idx, :fpb] if first_only else objects[idx])
-        drop = (torch.rand(batch, generator=cpu_gen) < cfg.empty_caption).to(device)
+        drop = to_device(torch.rand(batch, generator=cpu_gen) < cfg.empty_caption, device)
         b_ids = torch.where(drop[:, None], empty_ids, ids[idx])
         b_mask = torch.where(drop[:, None], empty_mask, mask[idx])
         context = text_states(encoder, b_ids, b_mask)
