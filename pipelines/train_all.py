@@ -185,6 +185,8 @@ def summary_lines(out: Path) -> list[str]:
             elif stage == "aar":
                 h = rec["heldout"]
                 extra = f"; CE {h['ce_cond']} with the condition, {h['ce_uncond']} without"
+                if "ce_cond_no_past" in h:
+                    extra += f", {h['ce_cond_no_past']} with the condition and no past"
                 for key in ("rollouts", "rollouts_no_past", "rollouts_random_aar"):
                     if key in h:
                         extra += f"; {key} adherence {h[key]['adherence']}"

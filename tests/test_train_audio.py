@@ -86,6 +86,9 @@ def test_train_json_reports_the_held_out_scores(stages):
     assert held["adherence"]["originals"]["clips"] == held["adherence"]["reconstructions"]["clips"] == held["clips"]
     aar = rec["aar"]["heldout"]
     assert len(aar["ce_cond_per_scale"]) == len(CFG.sat["multi_scale"]) and aar["ce_cond"] > 0
+    # Teacher forcing without the earlier scales in attention: scale 0 has no past, so only the later scales change.
+    assert aar["ce_cond_no_past_per_scale"][0] == pytest.approx(aar["ce_cond_per_scale"][0], abs=1e-3)
+    assert aar["ce_cond_no_past_per_scale"][1:] != aar["ce_cond_per_scale"][1:]
     assert aar["rollouts"]["clips"] == CFG.eval_rollouts and aar["rollouts"]["finite"]
     lagged = aar["rollouts"]["direction_glide_lag"]  # the first held-out clip is a chirp
     assert lagged["lag"] == train.ROLLOUT_GLIDE_LAG and lagged["clips"] >= 1 and 0 <= lagged["ok"] <= 1
@@ -415,3 +418,18 @@ def test_sat_adherence_ceiling_scores_originals_fully_and_silence_not():
     strict = adherence_summary(waves[chirps], [held[i] for i in chirps], sounds.SAMPLE_RATE,
                                Thresholds(min_glide_steps=1000))
     assert chirps and strict["per_attribute"]["direction"]["ok"] == 0.0
+
+
+def test_scales_see_only_themselves_inside_and_the_mask_comes_back():
+    """The no-past teacher forcing lets each scale see its own tokens only, and restores the block-causal mask
+    afterwards, also when the evaluation inside fails."""
+    aar = train.init_aar(train.aar_config(CFG), 0)
+    full = aar.attn_bias_for_masking.clone()
+    lvl = aar.lvl_1L.view(-1)
+    with pytest.raises(RuntimeError, match="inside"):
+        with train.scales_see_only_themselves(aar):
+            seen = torch.isfinite(aar.attn_bias_for_masking.view(len(lvl), len(lvl)))
+            assert torch.equal(seen, lvl[:, None] == lvl[None, :])
+            raise RuntimeError("inside")
+    assert torch.equal(aar.attn_bias_for_masking, full)
+    assert not torch.equal(torch.isfinite(full.view(len(lvl), len(lvl))), lvl[:, None] == lvl[None, :])

@@ -35,6 +35,7 @@ distances, STFT losses and cosine attention are kept out of bf16, and at these w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shutil
 import time
@@ -402,6 +403,20 @@ def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     return stats
 
 
+@contextlib.contextmanager
+def scales_see_only_themselves(aar: AAR):
+    """Teacher forcing with the earlier scales removed from attention (each scale attends to its own tokens, as
+    `rollout_adherence(no_past=True)` does by emptying the cache); the next-scale input still carries the partial
+    latent of the scales before it, as in a rollout."""
+    full = aar.attn_bias_for_masking.clone()
+    lvl = aar.lvl_1L.view(-1)
+    aar.attn_bias_for_masking.copy_(torch.where(lvl[:, None] == lvl[None, :], 0.0, -torch.inf).view_as(full))
+    try:
+        yield
+    finally:
+        aar.attn_bias_for_masking.copy_(full)
+
+
 @torch.no_grad()
 def evaluate_aar(aar: AAR, sat: SAT, clap_model, extractor, cfg: AudioTrainConfig, device: torch.device,
                  seed: int) -> dict[str, Any]:
@@ -413,14 +428,16 @@ def evaluate_aar(aar: AAR, sat: SAT, clap_model, extractor, cfg: AudioTrainConfi
     tokens, conds = encode_clips(sat, clap_model, extractor, wave, cfg, device)
     splits = list(aar.patch_nums)
     result: dict[str, Any] = {"clips": len(held)}
-    for name, cond in (("cond", conds), ("uncond", aar.uncond_embedding.expand_as(conds))):
+    for name, cond, past in (("cond", conds, True), ("uncond", aar.uncond_embedding.expand_as(conds), True),
+                             ("cond_no_past", conds, False)):
         ce = torch.zeros(tokens.shape[1], device=device)
         right = torch.zeros(tokens.shape[1], device=device)
-        for i in range(0, len(held), cfg.encode_batch):
-            t = tokens[i:i + cfg.encode_batch]
-            logits = aar(cond[i:i + cfg.encode_batch], teacher_inputs(sat, list(t.split(splits, dim=1))))
-            ce += F.cross_entropy(logits.transpose(1, 2), t, reduction="none").sum(0)
-            right += (logits.argmax(-1) == t).float().sum(0)
+        with contextlib.nullcontext() if past else scales_see_only_themselves(aar):
+            for i in range(0, len(held), cfg.encode_batch):
+                t = tokens[i:i + cfg.encode_batch]
+                logits = aar(cond[i:i + cfg.encode_batch], teacher_inputs(sat, list(t.split(splits, dim=1))))
+                ce += F.cross_entropy(logits.transpose(1, 2), t, reduction="none").sum(0)
+                right += (logits.argmax(-1) == t).float().sum(0)
         result[f"ce_{name}"] = round(float(ce.sum() / tokens.numel()), 4)
         result[f"ce_{name}_per_scale"] = [round(float(c.mean() / len(held)), 4) for c in ce.split(splits)]
         result[f"accuracy_{name}_per_scale"] = [round(float(r.mean() / len(held)), 4) for r in right.split(splits)]
