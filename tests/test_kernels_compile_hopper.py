@@ -42,6 +42,7 @@ def test_tcq_encoder_variants_compile_for_sm90():
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 4, "PREFETCH": False}, 4),
         ({"STEPS": 64, "K": 8, "L": 11, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": True, "NV": 1, "PREFETCH": True}, 2),
+        ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 2, "PREFETCH": True}, 1),
     ]
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], env=env, capture_output=True, text=True,
