@@ -142,7 +142,7 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                cbase, 0, 0, True, STEPS, K, L)
 
 
-def viterbi(codec, u: torch.Tensor, *, warps: int = 4, vectors: int = 1, prefetch: bool = False,
+def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
             programs: int | None = None) -> torch.Tensor:
     """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings
     (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
@@ -171,7 +171,7 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 4, vectors: int = 1, prefetc
     return codes.to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
-def encode(codec, x: torch.Tensor, *, warps: int = 4, vectors: int = 1, prefetch: bool = False,
+def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
            programs: int | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
     `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them)."""
