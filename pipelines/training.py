@@ -44,7 +44,7 @@ class Budget:
     shared with another run changes speed when that run changes stage. The plan falls whenever the steps slow down
     (a SAT stage planned from its probe alone ran 704 s on a 400 s budget), and rises, up to the configured `steps`,
     while less than half of it is done: a VAE stage whose probe overlapped another lane's start ran 354 ms a step
-    against its probe's 507 and, never raising its plan, ended 200 s of its 702 s early (docs/training.md). Raising
+    against its probe's 507 and, never raising its plan, ended 205 s of its 702 s early (docs/training.md). Raising
     it late would restart the cosine schedule's decay, so the second half keeps its plan or shortens it."""
 
     def __init__(self, steps: int, budget_s: float | None, probe: int = 50,
@@ -172,7 +172,7 @@ def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Te
 
     def check(mean: float | None, last: int) -> None:
         if mean is not None and not math.isfinite(mean):
-            raise RuntimeError(f"{name}: loss is {mean} in the {curve.every} steps to step {last}; "
+            raise RuntimeError(f"{name}: loss is {mean} over the window of steps up to step {last}; "
                                "lower the learning rate")
 
     while step < budget.steps:

@@ -131,7 +131,7 @@ def test_curve_reads_device_losses_back_once_a_window_with_python_float_sums():
     def loss_fn(step):
         return (w * w).sum() * (float("nan") if step == 12 else 1.0)
 
-    with pytest.raises(RuntimeError, match="loss is nan in the 5 steps to step 15"):
+    with pytest.raises(RuntimeError, match="loss is nan over the window of steps up to step 15"):
         training.optimise([w], loss_fn, steps=50, lr=1e-3, warmup=1, budget_s=None, device=torch.device("cpu"),
                           log=lambda m: None, name="t")
 
