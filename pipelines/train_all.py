@@ -99,6 +99,7 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
             cmd += ["--set", item]
         if stage == "vae" and getattr(args, "vae_decoder_only", False):
             cmd += ["--decoder-only"]
+        cmd += (getattr(args, "replay_pins", None) or {}).get(stage, [])
         steps.append((stage, folder, cmd))
         previous = folder
     if lane == "video" and args.eval_prompts:
@@ -204,6 +205,65 @@ def summary_lines(out: Path) -> list[str]:
     return lines
 
 
+def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]:
+    """The stage arguments that make a replay of `run` draw what it drew: each stage's steps as it ran them, the
+    DiT's dataset size and the distillation's teacher trajectories of each kind (the counts a budget cut), read from
+    each stage's `train.json`."""
+    from mmkv.pipelines.wan.train import get_config
+
+    pins: dict[str, list[str]] = {}
+    for lane in lanes:
+        for stage in STAGES[lane]:
+            rec = _read(run / lane / stage / "train.json")
+            if rec is None:
+                raise ValueError(f"--replay {run}: its {lane} stage {stage!r} did not finish (no {lane}/{stage}/"
+                                 "train.json); only a finished run can be replayed")
+            pins[stage] = ["--steps", str(int(rec["steps"]))]
+            if stage == "dit":
+                pins[stage] += ["--set", f"dit_clips={int(rec['dataset_clips'])}"]
+            if stage == "distill":
+                made = rec["ode_trajectories"]
+                fpb = get_config(plan["config"]).frames_per_block
+                pins[stage] += ["--set", f"ode_chunk_trajectories={int(made.get(f'{fpb}-frame blocks', 0))}",
+                                "--set", f"ode_frame_trajectories={int(made.get('1-frame blocks', 0))}"]
+    return pins
+
+
+def apply_replay(args: argparse.Namespace) -> None:
+    """`--replay RUN`: every setting from RUN's plan.json (its inits checked against the SHA-256 recorded there), no
+    budget, and each stage pinned to what it ran (`replay_pins`), so that a rerun of a budgeted run trains the same
+    steps on the same draws; `--lanes` may pick some of RUN's lanes."""
+    run = Path(args.replay)
+    plan = _read(run / "plan.json")
+    if plan is None:
+        raise ValueError(f"--replay {run}: no plan.json there; give the --out folder of an earlier `mmkv train all`")
+    given = [flag for flag, value in (("--budget", args.budget), ("--shares", args.shares),
+                                      ("--video-init", args.video_init), ("--audio-init", args.audio_init),
+                                      ("--video-set", args.video_set), ("--audio-set", args.audio_set),
+                                      ("--vae-decoder-only", args.vae_decoder_only)) if value]
+    if given or args.seed != 0 or args.config != "tiny":
+        raise ValueError(f"--replay takes every setting from {run}/plan.json; give only --out, --lanes and --device "
+                         f"(got {', '.join(given + (['--seed'] if args.seed != 0 else []) + (['--config'] if args.config != 'tiny' else []))})")
+    lanes = [x.strip() for x in args.lanes.split(",") if x.strip()] if args.lanes else plan["lanes"]
+    missing = [x for x in lanes if x not in plan["lanes"]]
+    if missing:
+        raise ValueError(f"--replay {run}: it ran the lanes {', '.join(plan['lanes'])}, not {', '.join(missing)}")
+    for lane, init in plan["inits"].items():
+        record = Path(init["folder"]) / "train.json"
+        if lane in lanes and (not record.is_file() or sha256_file(record) != init["train_json_sha256"]):
+            raise ValueError(f"--replay {run}: its --{lane}-init {init['folder']} is not there as it was (its "
+                             "train.json is missing or has another SHA-256); put that set back first")
+    args.lanes = ",".join(lanes)
+    args.config, args.seed, args.budget = plan["config"], plan["seed"], None
+    args.eval_prompts = plan["eval_prompts"]
+    for lane in LANES:
+        setattr(args, f"{lane}_init", plan["inits"][lane]["folder"] if lane in plan["inits"] else None)
+        setattr(args, f"{lane}_set", list(plan["overrides"].get(lane, [])))
+    args.vae_decoder_only = bool(plan.get("vae_decoder_only", False))
+    args.replay_pins = replay_pins(run, plan, lanes)
+    args.replay_of = {"folder": str(run.resolve()), "plan_sha256": sha256_file(run / "plan.json")}
+
+
 def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
     """The settings a restart must match: everything that changes what the stages compute."""
     inits = {}
@@ -224,7 +284,8 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
             "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None)).items()
                        if v != SHARES[s]},
             "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets,
-            **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {})}
+            **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {}),
+            **({"replay_of": args.replay_of, "pins": args.replay_pins} if getattr(args, "replay_of", None) else {})}
 
 
 def check_plan(out: Path, plan: dict) -> None:
@@ -246,7 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float, default=None,
                         help="wall-clock seconds of training per lane, shared among its stages (default: every "
                              "stage runs its config's steps)")
-    parser.add_argument("--lanes", default="video,audio", help="which lanes to run (default: %(default)s)")
+    parser.add_argument("--lanes", default=None, help="which lanes to run (default: video,audio; with --replay, the "
+                                                      "run's)")
     parser.add_argument("--shares", default=None, metavar="STAGE=FRACTION,...",
                         help="the budget's share of the named stages, in place of the defaults (" +
                              ", ".join(f"{k} {v}" for k, v in SHARES.items()) + "); a lane's add up to at most 1")
@@ -269,9 +331,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--replay", default=None, metavar="RUN",
+                        help="train again what the finished run RUN trained: its settings, its inits (checked), no "
+                             "budget, and each stage pinned to the steps, dataset and teacher trajectories it ran "
+                             "(docs/training.md, reproducing a run); --lanes may pick some of its lanes")
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "replay", None):
+        apply_replay(args)
+    if args.lanes is None:
+        args.lanes = ",".join(LANES)
     lanes = [x.strip() for x in args.lanes.split(",") if x.strip()]
     bad = [x for x in lanes if x not in LANES]
     if bad or not lanes or len(set(lanes)) != len(lanes):

@@ -156,3 +156,67 @@ def test_vae_decoder_only_reaches_the_vae_stage_alone_and_needs_a_video_init(run
     assert main(_argv(tmp_path / "z", "--vae-decoder-only")) == 2
     assert "--vae-decoder-only fine-tunes an existing VAE's decoder: give --video-init" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):
+    """`--replay`: a budgeted run's stages end where its clock cut them; the replay reads each stage's record and
+    trains exactly that (steps, DiT dataset, teacher trajectories of each kind), with no budget. Here the records of
+    a copy are cut by hand, as a budget would have cut them."""
+    copy = tmp_path / "cut"
+    shutil.copytree(run, copy)
+    cuts = {"vae": 4, "dit": 6, "distill": 5}
+    for stage, steps in cuts.items():
+        path = copy / "video" / stage / "train.json"
+        rec = json.loads(path.read_text())
+        rec["steps"] = steps
+        if stage == "distill":
+            rec["ode_trajectories"] = {"3-frame blocks": 2, "1-frame blocks": 0}
+        path.write_text(json.dumps(rec))
+    out = tmp_path / "replay"
+    assert main(["train", "all", "--out", str(out), "--replay", str(copy), "--lanes", "video", "--device", "cpu"]) == 0
+    for stage, steps in cuts.items():
+        rec = json.loads((out / "video" / stage / "train.json").read_text())
+        assert rec["steps"] == rec["planned_steps"] == steps and rec["budget_s"] is None
+        assert rec["seed"] == train_all.STAGES["video"].index(stage)  # the run's seeds
+    distill = json.loads((out / "video" / "distill" / "train.json").read_text())
+    assert distill["ode_trajectories"] == {"3-frame blocks": 2}
+    assert json.loads((out / "video" / "dit" / "train.json").read_text())["dataset_clips"] == 8
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["lanes"] == ["video"] and plan["budget_s"] is None and plan["config"] == "micro"
+    assert plan["replay_of"]["plan_sha256"] == sha256_file(copy / "plan.json")
+    assert plan["pins"]["distill"][-1] == "ode_frame_trajectories=0"
+    assert (out / "video" / "eval.json").is_file() and not (out / "audio").exists()
+    assert "--budget" not in (out / "video" / "vae.log").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--seed", "3"], "--replay takes every setting from"),
+    (["--budget", "60"], "give only --out, --lanes and --device (got --budget)"),
+    (["--video-set", "vae_lr=1e-3"], "(got --video-set)"),
+    (["--lanes", "video,nope"], "it ran the lanes video, audio, not nope"),
+])
+def test_a_replay_refuses_settings_of_its_own(run, tmp_path, capsys, extra, message):
+    assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(run), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_replay_needs_a_finished_run(run, tmp_path, capsys):
+    assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(tmp_path)]) == 2
+    assert "no plan.json there" in capsys.readouterr().err
+    copy = tmp_path / "unfinished"
+    shutil.copytree(run, copy)
+    (copy / "audio" / "sat" / "train.json").unlink()
+    assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(copy)]) == 2
+    assert "its audio stage 'sat' did not finish" in capsys.readouterr().err
+
+
+def test_a_replay_refuses_an_init_that_changed(run, tmp_path, capsys):
+    copy = tmp_path / "from_init"
+    shutil.copytree(run, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    init = run / "video" / "distill"
+    plan["inits"] = {"video": {"folder": str(init), "train_json_sha256": "0" * 64}}
+    (copy / "plan.json").write_text(json.dumps(plan))
+    assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(copy), "--lanes", "video"]) == 2
+    assert f"its --video-init {init} is not there as it was" in capsys.readouterr().err

@@ -97,15 +97,22 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     gen = torch.Generator().manual_seed(seed + 20)
     noise_gen = torch.Generator(device=device).manual_seed(seed + 21)
     n_frame = int(round(cfg.ode_clips * cfg.framewise))
+    n_chunk = cfg.ode_clips - n_frame
+    pinned = cfg.ode_chunk_trajectories >= 0 or cfg.ode_frame_trajectories >= 0
+    if pinned:  # a replay: the counts an earlier run made, each drawn as it drew them, with no time cut
+        if cfg.ode_chunk_trajectories < 0 or cfg.ode_frame_trajectories < 0:
+            raise ValueError("ode_chunk_trajectories and ode_frame_trajectories pin the teacher trajectories together: "
+                             f"got {cfg.ode_chunk_trajectories} and {cfg.ode_frame_trajectories}; give both (>= 0)")
+        n_chunk, n_frame = cfg.ode_chunk_trajectories, cfg.ode_frame_trajectories
     trajectories: dict[int, dict[str, Any]] = {}
     made: dict[int, int] = {}
     t0 = time.perf_counter()
     empty_ids, empty_mask = tokenize(tokenizer, [""], cfg.text_len)
-    for fpb, n, ts in ((cfg.frames_per_block, cfg.ode_clips - n_frame, chunk_ts), (1, n_frame, frame_ts)):
+    for fpb, n, ts in ((cfg.frames_per_block, n_chunk, chunk_ts), (1, n_frame, frame_ts)):
         if n == 0:
             continue
         ends, states, ctxs = [], {t: [] for t in ts}, []
-        share = (n / cfg.ode_clips) * 0.4 * budget_s if budget_s is not None else None
+        share = (n / cfg.ode_clips) * 0.4 * budget_s if budget_s is not None and not pinned else None
         t_kind = time.perf_counter()
         for i in range(0, n, cfg.ode_batch):
             if share is not None and i and time.perf_counter() - t_kind > share:

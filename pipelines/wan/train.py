@@ -126,6 +126,10 @@ class VideoTrainConfig:
     vae_warm_context: int = 19
     encode_batch: int = 32
     ode_batch: int = 256
+    # Teacher trajectories of each kind, in place of the `ode_clips` split and of the budget's cut (-1: not pinned):
+    # a replay (`mmkv train all --replay`) pins the counts an earlier run made, so that it draws the same ones.
+    ode_chunk_trajectories: int = -1
+    ode_frame_trajectories: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
