@@ -230,34 +230,43 @@ def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]
 
 
 def apply_replay(args: argparse.Namespace) -> None:
-    """`--replay RUN`: every setting from RUN's plan.json (its inits checked against the SHA-256 recorded there), no
-    budget, and each stage pinned to what it ran (`replay_pins`), so that a rerun of a budgeted run trains the same
-    steps on the same draws; `--lanes` may pick some of RUN's lanes."""
+    """`--replay RUN`: every setting from RUN's plan.json (its inits checked against the SHA-256 recorded there, and
+    found where plan.json says unless `--video-init` / `--audio-init` say where they are now), no budget, and each
+    stage pinned to what it ran (`replay_pins`), so that a rerun of a budgeted run trains the same steps on the same
+    draws; `--lanes` may pick some of RUN's lanes."""
     run = Path(args.replay)
     plan = _read(run / "plan.json")
     if plan is None:
         raise ValueError(f"--replay {run}: no plan.json there; give the --out folder of an earlier `mmkv train all`")
     given = [flag for flag, value in (("--budget", args.budget), ("--shares", args.shares),
-                                      ("--video-init", args.video_init), ("--audio-init", args.audio_init),
                                       ("--video-set", args.video_set), ("--audio-set", args.audio_set),
-                                      ("--vae-decoder-only", args.vae_decoder_only)) if value]
-    if given or args.seed != 0 or args.config != "tiny":
-        raise ValueError(f"--replay takes every setting from {run}/plan.json; give only --out, --lanes and --device "
-                         f"(got {', '.join(given + (['--seed'] if args.seed != 0 else []) + (['--config'] if args.config != 'tiny' else []))})")
+                                      ("--vae-decoder-only", args.vae_decoder_only), ("--seed", args.seed != 0),
+                                      ("--config", args.config != "tiny")) if value]
+    if given:
+        raise ValueError(f"--replay takes every setting from {run}/plan.json; give only --out, --lanes, --device and "
+                         f"where its inits are now (--video-init, --audio-init) (got {', '.join(given)})")
     lanes = [x.strip() for x in args.lanes.split(",") if x.strip()] if args.lanes else plan["lanes"]
     missing = [x for x in lanes if x not in plan["lanes"]]
     if missing:
         raise ValueError(f"--replay {run}: it ran the lanes {', '.join(plan['lanes'])}, not {', '.join(missing)}")
-    for lane, init in plan["inits"].items():
-        record = Path(init["folder"]) / "train.json"
-        if lane in lanes and (not record.is_file() or sha256_file(record) != init["train_json_sha256"]):
-            raise ValueError(f"--replay {run}: its --{lane}-init {init['folder']} is not there as it was (its "
-                             "train.json is missing or has another SHA-256); put that set back first")
+    inits: dict[str, str | None] = {}
+    for lane in LANES:
+        moved, init = getattr(args, f"{lane}_init"), plan["inits"].get(lane)
+        if moved is not None and init is None:
+            raise ValueError(f"--replay {run}: its {lane} lane started from scratch; --{lane}-init has nothing to "
+                             "relocate")
+        inits[lane] = None if init is None else (moved or init["folder"])
+        record = Path(inits[lane]) / "train.json" if inits[lane] else None
+        if lane in lanes and record is not None and (
+                not record.is_file() or sha256_file(record) != init["train_json_sha256"]):
+            raise ValueError(f"--replay {run}: its --{lane}-init {inits[lane]} is not the set it continued (its "
+                             f"train.json is missing or has another SHA-256 than {init['train_json_sha256'][:12]}…); "
+                             f"give that set's folder with --{lane}-init")
     args.lanes = ",".join(lanes)
     args.config, args.seed, args.budget = plan["config"], plan["seed"], None
     args.eval_prompts = plan["eval_prompts"]
     for lane in LANES:
-        setattr(args, f"{lane}_init", plan["inits"][lane]["folder"] if lane in plan["inits"] else None)
+        setattr(args, f"{lane}_init", inits[lane])
         setattr(args, f"{lane}_set", list(plan["overrides"].get(lane, [])))
     args.vae_decoder_only = bool(plan.get("vae_decoder_only", False))
     args.replay_pins = replay_pins(run, plan, lanes)
@@ -332,9 +341,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--replay", default=None, metavar="RUN",
-                        help="train again what the finished run RUN trained: its settings, its inits (checked), no "
-                             "budget, and each stage pinned to the steps, dataset and teacher trajectories it ran "
-                             "(docs/training.md, reproducing a run); --lanes may pick some of its lanes")
+                        help="train again what the finished run RUN trained: its settings, its inits (checked; "
+                             "--video-init / --audio-init say where they are now), no budget, and each stage pinned "
+                             "to the steps, dataset and teacher trajectories it ran (docs/training.md, reproducing a "
+                             "run); --lanes may pick some of its lanes")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -191,7 +191,8 @@ def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):
 
 @pytest.mark.parametrize("extra,message", [
     (["--seed", "3"], "--replay takes every setting from"),
-    (["--budget", "60"], "give only --out, --lanes and --device (got --budget)"),
+    (["--budget", "60"], "(got --budget)"),
+    (["--video-init", "elsewhere"], "its video lane started from scratch; --video-init has nothing to relocate"),
     (["--video-set", "vae_lr=1e-3"], "(got --video-set)"),
     (["--lanes", "video,nope"], "it ran the lanes video, audio, not nope"),
 ])
@@ -219,4 +220,12 @@ def test_a_replay_refuses_an_init_that_changed(run, tmp_path, capsys):
     plan["inits"] = {"video": {"folder": str(init), "train_json_sha256": "0" * 64}}
     (copy / "plan.json").write_text(json.dumps(plan))
     assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(copy), "--lanes", "video"]) == 2
-    assert f"its --video-init {init} is not there as it was" in capsys.readouterr().err
+    assert f"its --video-init {init} is not the set it continued" in capsys.readouterr().err
+    plan["inits"]["video"]["train_json_sha256"] = sha256_file(init / "train.json")  # the set, found elsewhere now
+    (copy / "plan.json").write_text(json.dumps(plan))
+    moved = tmp_path / "moved"
+    shutil.copytree(init, moved)
+    (moved / "train.json").write_text("{}")
+    assert main(["train", "all", "--out", str(tmp_path / "r2"), "--replay", str(copy), "--lanes", "video",
+                 "--video-init", str(moved)]) == 2
+    assert f"its --video-init {moved} is not the set it continued" in capsys.readouterr().err
