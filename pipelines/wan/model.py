@@ -324,7 +324,10 @@ class CausalWan(nn.Module):
         p_t, p_h, p_w = self.patch_size
         if f % p_t or h % p_h or w % p_w:
             raise ModelError(f"latent grid {f}x{h}x{w} is not divisible by the patch size {self.patch_size}")
-        t = torch.as_tensor(timestep, device=latents.device, dtype=torch.float32)
+        if isinstance(timestep, (int, float)):  # filled on the device: a host scalar copied there waits for the GPU
+            t = torch.full((b,), float(timestep), device=latents.device, dtype=torch.float32)
+        else:
+            t = torch.as_tensor(timestep, device=latents.device, dtype=torch.float32)
         if t.dim() == 0:
             t = t.expand(b)
         elif t.dim() == 2:
