@@ -65,11 +65,13 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
         n1 = tl.load(u_ptr + ubase + 2 * src1 + 1, mask=valid, other=0.0)
     for t in range(1, STEPS):
         src = (t + STEPS - ROLL) % STEPS
-        if PREFETCH:
-            u0, u1 = n0, n1
+        if PREFETCH:  # this step's pair came a step ahead; the next step's load goes out now
+            dist = _pair_costs(n0, n1, tab0, tab1)
             nxt = (t + 1 + STEPS - ROLL) % STEPS  # one load past the last step: in range, unused
             n0 = tl.load(u_ptr + ubase + 2 * nxt, mask=valid, other=0.0)
             n1 = tl.load(u_ptr + ubase + 2 * nxt + 1, mask=valid, other=0.0)
+        else:
+            dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
         c3 = tl.reshape(cost, (NV, 1 << K, M))
         best = tl.min(c3, axis=1)
         arg = tl.argmin(c3, axis=1, tie_break_left=True)
@@ -83,10 +85,6 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
             best = tl.where(wide > 0, tl.reshape(tl.join(fold_b, fold_b), (NV, M)), best)
             arg = tl.where(wide > 0, tl.reshape(tl.join(fold_a, fold_a), (NV, M)), arg)
         tl.store(bp_ptr + bbase[:, None] + t * M + cols[None, :], arg.to(tl.int16))
-        if PREFETCH:
-            dist = _pair_costs(u0, u1, tab0, tab1)
-        else:
-            dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
         cost = tl.reshape(best[:, :, None] + tl.reshape(dist, (NV, M, 1 << K)), (NV, S))
     return cost
 

@@ -128,11 +128,10 @@ class OffsetRoPE(nn.Module):
         """`frame_positions` checked and on `device`. Positions given on the CPU (as teacher forcing gives them) are
         checked there and their device copy kept, so that a training step neither waits for the GPU to read them back
         nor copies them again; positions already on the device are checked with a read-back."""
-        host = pos.device.type == "cpu"
         if pos.numel() != ppf or int(pos.min()) < 0 or int(pos.max()) >= self.max_seq_len:
             raise ModelError(f"frame_positions must hold {ppf} indices in [0, {self.max_seq_len}), got "
                              f"{pos.numel()} in [{int(pos.min())}, {int(pos.max())}]")
-        if not host or device.type == "cpu":
+        if pos.device.type != "cpu" or device.type == "cpu":
             return pos.to(device)
         key = (tuple(pos.tolist()), device)
         if key not in self._device_positions:
