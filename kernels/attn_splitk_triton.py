@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmkv.kernels.common import jit
+
 
 @triton.jit
 def _load_chunks(ptrs, mask, W: tl.constexpr):
@@ -189,7 +191,7 @@ def split_tiles(tile0, tiles_per_split, T, BLOCK_N: tl.constexpr):
     return lo, hi
 
 
-@triton.jit
+@jit
 def _combine_kernel(out_part, lse_part, out, lse, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
     """Merge S (out, lse) partials of one query row exactly: lse = log sum exp lse_s, out = sum exp(lse_s - lse) out_s
     (the Flash-Decoding reduction, Dao et al. 2023). Two passes over S in chunks of BLOCK_S."""

@@ -8,6 +8,7 @@ ulp (docs/decisions.md, "Codec kernels").
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import weakref
@@ -25,6 +26,27 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _INTERP = tl.constexpr(INTERPRET)
 LAUNCH = {"enable_fp_fusion": False}
 ROWS_WARPS = 4  # warps of a one-token-a-thread program: BT = 32 * ROWS_WARPS tokens
+
+# Launch arguments that count or offset tokens, tiles or splits: they change with every unit, scale and cache length.
+# Triton compiles a kernel again for every new combination of its integer arguments' "equals 1" and "divisible by
+# 16" properties (its specialisation key), which in an AAR rollout (16 scales of 1 to 64 tokens a side) or a video
+# rollout (a cache that grows by a frame) meant a compile every few calls. These only bound masks and loops, so they
+# are passed unspecialised: one compile a kernel and constexpr set. Strides and row byte counts stay specialised,
+# since their alignment lets loads and stores vectorise.
+SIZE_ARGS = frozenset({"T", "N", "n", "NGT", "N1", "N2", "S", "first", "skip", "tile0", "tiles_per_split", "split0",
+                       "S_total", "Tq", "GQ"})
+
+
+def jit(fn=None, *, also: tuple[str, ...] = ()):
+    """`triton.jit` for a launched kernel, with its `SIZE_ARGS` and the arguments named in `also` not specialised
+    (`@jit` or `@jit(also=(...))`)."""
+    if fn is None:
+        return lambda f: jit(f, also=also)
+    names = list(inspect.signature(fn).parameters)
+    missing = [a for a in also if a not in names]
+    if missing:
+        raise ValueError(f"{fn.__name__} has no arguments {missing}")
+    return triton.jit(fn, do_not_specialize=[a for a in names if a in SIZE_ARGS or a in also])
 
 
 def next_pow2(n: int) -> int:

@@ -11,13 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, out_row, rows_of, store_rows, token_block, vector
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, rows_of, store_rows, token_block, vector
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht, fwht_lanes
 
 
-@triton.jit
+@jit
 def _minmax_decode_kernel(
     codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr,
     T, NH, rscale, row_bytes, NGT, vr, N1, N2, S0, S1, S2,

@@ -18,12 +18,12 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer, collecting
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, rint, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, jit, rint, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht_lanes
 
 
-@triton.jit
+@jit
 def _minmax_encode_kernel(
     x_ptr, norm_ptr, codes_ptr, scale_ptr, offset_ptr,
     T, NH, rscale, row_bytes, NGT,

@@ -32,9 +32,10 @@ from mmkv.kernels.attn_splitk import (
     value_step,
     unit_shape,
 )
+from mmkv.kernels.common import jit
 
 
-@triton.jit
+@jit
 def _channel_group_attn_kernel(
     q_ptr, out_part, lse_part,
     kc_ptr, ks_ptr, ko_ptr, kn_ptr,

@@ -34,6 +34,7 @@ from mmkv.kernels.attn_splitk import (
     value_rows,
     value_step,
 )
+from mmkv.kernels.common import jit
 
 TRIPLET_CHUNK = 16
 
@@ -49,7 +50,9 @@ def _stream_codes(row_ptr, idx, mask, W: tl.constexpr, NB: tl.constexpr):
     return (x >> (bit & 7)) & ((1 << W) - 1)
 
 
-@triton.jit
+# OCTOPUS packs 2 x bits (and rho bits) a triplet, 42 triplets a token, so its row byte counts change their
+# divisibility with the token count, and its codes are read at bit offsets: their alignment buys nothing.
+@jit(also=("dir_sb", "dir_sh", "rho_sb", "rho_sh"))
 def _octopus_attn_kernel(
     q_ptr, out_part, lse_part,
     dir_ptr, rho_ptr, gam_ptr, xi_tab, rho_tab,

@@ -16,14 +16,16 @@ import triton
 import triton.language as tl
 
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, next_pow2, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, jit, next_pow2, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.octopus_encode import _tables, from_triplets, supports  # noqa: F401  (same range as the encoder)
 from mmkv.kernels.packing import unpack_at, unpack_rows
 from mmkv.kernels.rotation import fwht
 
 
-@triton.jit
+# OCTOPUS packs 2 x bits (and rho bits) a triplet, 42 triplets a token, so its row byte counts change their
+# divisibility with the token count, and its codes are read at bit offsets: their alignment buys nothing.
+@jit(also=("dir_row_bytes", "rho_row_bytes"))
 def _octopus_decode_kernel(
     dir_ptr, rho_ptr, gamma_ptr, qjl_ptr, rnorm_ptr, lut_ptr, rho_c_ptr, s_ptr, sk_ptr, out_ptr,
     T, NH, scale, qjl_scale, dir_row_bytes, rho_row_bytes, vr, ORS,

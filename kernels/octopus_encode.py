@@ -21,8 +21,8 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, load_rows,
-    next_pow2, rows_of, search, search_table, token_block, vector,
+    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, jit, load_rows, next_pow2, rows_of, search, search_table,
+    token_block, vector,
 )
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
@@ -73,7 +73,9 @@ def from_triplets(px, py, pz, BT: tl.constexpr, D: tl.constexpr, NTP: tl.constex
     return out
 
 
-@triton.jit
+# OCTOPUS packs 2 x bits (and rho bits) a triplet, 42 triplets a token, so its row byte counts change their
+# divisibility with the token count, and its codes are read at bit offsets: their alignment buys nothing.
+@jit(also=("dir_row_bytes", "rho_row_bytes"))
 def _octopus_encode_kernel(
     x_ptr, s_ptr, xi_t_ptr, xi_n_ptr, rho_t_ptr, rho_n_ptr, lut_ptr, rho_c_ptr, sk_ptr,
     dir_ptr, rho_ptr, gamma_ptr, qjl_ptr, rnorm_ptr,

@@ -17,12 +17,12 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, load_rows, rows_of, token_block, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, jit, load_rows, rows_of, token_block, vector
 from mmkv.kernels.groupquant_encode import minmax_encode, nonfinite, supports_minmax  # noqa: F401
 from mmkv.kernels.rotation import fwht
 
 
-@triton.jit
+@jit
 def _rotated_sumsq_kernel(x_ptr, out_ptr, T, rscale, vr, D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
     row, row64, t0, n_tok = token_block(T, BT)
     tt = tl.arange(0, BT)

@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mmkv.kernels.common import (
-    INTERPRET, LAUNCH, ROWS_WARPS, cast_to, decode_out, rows_of, store_rows, token_block, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, cast_to, decode_out, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_plane
 from mmkv.kernels.polarquant_encode import _LUT, _tables, supports  # noqa: F401  (same parameter range)
@@ -36,7 +36,7 @@ def _unfold(r, c_ptr, in_ptr, row_base, t0, n_tok, vr, BT: tl.constexpr, N: tl.c
     return tl.reshape(tl.join(r * cos, r * sin), (BT, 2 * N))
 
 
-@triton.jit
+@jit
 def _polarquant_decode_kernel(
     a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr, c_ptr, s_ptr, out_ptr,
     T, scale, rb1, rb2, rb3, rb4, vr, ORS,

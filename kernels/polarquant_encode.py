@@ -23,7 +23,7 @@ from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
-    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, load_rows, rows_of, search, search_table, token_block, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, jit, load_rows, rows_of, search, search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_plane
 from mmkv.kernels.rotation import fwht
@@ -70,7 +70,7 @@ def _level(r, t_ptr, n_ptr, out_ptr, row_base, t0, n_tok, vr, BT: tl.constexpr, 
     return tl.sqrt_rn(a * a + b * b)
 
 
-@triton.jit
+@jit
 def _polarquant_encode_kernel(
     x_ptr, s_ptr, t_ptr, n_ptr, a1_ptr, a2_ptr, a3_ptr, a4_ptr, radius_ptr,
     T, scale, rb1, rb2, rb3, rb4, vr,

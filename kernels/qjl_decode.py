@@ -9,13 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, jit, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qjl_encode import _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
 
 
-@triton.jit
+@jit
 def _qjl_decode_kernel(
     signs_ptr, norm_ptr, sk_ptr, out_ptr, T, NH, qscale, row_bytes, ORS,
     D: tl.constexpr, M: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,

@@ -13,12 +13,12 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, device_tables, head_count, jit, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
 
 
-@triton.jit
+@jit
 def _qjl_encode_kernel(
     x_ptr, sk_ptr, signs_ptr, norm_ptr, T, NH, row_bytes,
     D: tl.constexpr, M: tl.constexpr, MB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import INTERPRET, LAUNCH
+from mmkv.kernels.common import INTERPRET, LAUNCH, jit
 
 
-@triton.jit
+@jit
 def _assign_kernel(
     x_ptr, c_ptr, xsq_ptr, csq_ptr, ids_ptr,
     N,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, jit, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qvg_encode import block_tokens, supports  # noqa: F401  (same parameter range)
 
@@ -25,7 +25,7 @@ def e4m3_value(b):
     return tl.where((b >> 7) == 1, -v, v)
 
 
-@triton.jit
+@jit
 def _decode_kernel(
     codes_ptr, scale_ptr, zero_ptr, ids_ptr, c_ptr, out_ptr,
     N, K, P, row_bytes, ORS,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, cast_to, rint, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, jit, rint, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.qvg_assign import assign, supports_shape
 
@@ -47,7 +47,7 @@ def round_half_away(y):
     return tl.where(y < 0, -q, q)
 
 
-@triton.jit
+@jit
 def _quant_pack_kernel(
     r_ptr, c_ptr, ids_ptr, codes_ptr, scale_ptr, zero_ptr,
     N, K, row_bytes,

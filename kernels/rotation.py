@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import CodecError
 from mmkv.codecs.rotation import is_pow2
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, load_rows, store_rows, token_block, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, jit, load_rows, store_rows, token_block, vector
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def fwht_lanes(y, BT: tl.constexpr, D: tl.constexpr):
     return y
 
 
-@triton.jit
+@jit
 def _rotate_kernel(
     x_ptr, s_ptr, out_ptr, T, NH, scale, vr,
     D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr, VO: tl.constexpr, SIGNS: tl.constexpr, INVERSE: tl.constexpr,

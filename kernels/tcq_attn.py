@@ -40,6 +40,7 @@ from mmkv.kernels.attn_splitk import (
     value_rows,
     value_step,
 )
+from mmkv.kernels.common import jit
 from mmkv.kernels import tcq_decode
 from mmkv.kernels.packing import unpack_at
 
@@ -82,7 +83,7 @@ def trellis_states(code_row, hi_row, tok, tmask, src_ptr, shift_ptr, wide_ptr, r
     return state & ((1 << L) - 1)
 
 
-@triton.jit
+@jit
 def _tcq_attn_kernel(
     q_ptr, out_part, lse_part,
     kc_ptr, kh_ptr, kg_ptr, ktab, ksrc, kshift, kwide, krank,

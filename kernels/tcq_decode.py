@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_at
 from mmkv.kernels.rotation import fwht
@@ -60,7 +60,7 @@ def tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "tcq", build)
 
 
-@triton.jit
+@jit
 def _tcq_decode_kernel(
     code_ptr, hi_ptr, gain_ptr, table_ptr, src_ptr, shift_ptr, wide_ptr, rank_ptr, s_ptr, out_ptr,
     T, NH, scale, code_row_bytes, hi_row_bytes, vr, ORS,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, device_tables
+from mmkv.kernels.common import LAUNCH, device_tables, jit
 from mmkv.kernels.tcq_decode import supports  # noqa: F401  (same range as the decoder)
 
 PROGRAMS = 4096  # vectors a launch (each with its own back-pointer scratch)
@@ -106,7 +106,7 @@ def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl
     return state
 
 
-@triton.jit
+@jit
 def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                         STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr,
                         NV: tl.constexpr, PREFETCH: tl.constexpr):

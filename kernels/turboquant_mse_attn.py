@@ -35,9 +35,10 @@ from mmkv.kernels.attn_splitk import (
     unit_shape,
     use_asm,
 )
+from mmkv.kernels.common import jit
 
 
-@triton.jit
+@jit
 def _turboquant_attn_kernel(
     q_ptr, out_part, lse_part,
     kc_ptr, kn_ptr, cb_ptr,

@@ -12,14 +12,14 @@ import triton
 import triton.language as tl
 
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_mse_encode import _tables, supports  # noqa: F401  (same parameter range)
 
 
-@triton.jit
+@jit
 def _turboquant_decode_kernel(
     idx_ptr, idx_hi_ptr, norm_ptr, lo_c_ptr, hi_c_ptr, s_ptr, out_ptr,
     T, NH, scale, lo_row_bytes, hi_row_bytes, vr, ORS,

@@ -21,14 +21,14 @@ import triton.language as tl
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
 from mmkv.kernels.common import (
-    LAUNCH, ROWS_WARPS, cells, device_tables, head_count,
-    load_rows, rows_of, search, search_table, token_block, vector,
+    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, jit, load_rows, rows_of, search, search_table, token_block,
+    vector,
 )
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
 
 
-@triton.jit
+@jit
 def _turboquant_encode_kernel(
     x_ptr, s_ptr, lo_t_ptr, lo_n_ptr, hi_t_ptr, hi_n_ptr, idx_ptr, idx_hi_ptr, norm_ptr,
     T, NH, scale, lo_row_bytes, hi_row_bytes, vr,

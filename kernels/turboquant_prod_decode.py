@@ -12,13 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, jit, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION, _tables, supports  # noqa: F401
 
 
-@triton.jit
+@jit
 def _turboquant_prod_decode_kernel(
     idx_ptr, qjl_ptr, rnorm_ptr, norm_ptr, c_ptr, s_ptr, sk_ptr, out_ptr,
     T, NH, scale, qjl_scale, idx_row_bytes, qjl_row_bytes, ORS,

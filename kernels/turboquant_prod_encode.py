@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import LAUNCH, device_tables, head_count, rows_of, search, search_table, token_block
+from mmkv.kernels.common import LAUNCH, device_tables, head_count, jit, rows_of, search, search_table, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht
 
@@ -27,7 +27,7 @@ from mmkv.kernels.rotation import fwht
 SKETCH_PRECISION = "tf32x3"
 
 
-@triton.jit
+@jit
 def _turboquant_prod_encode_kernel(
     x_ptr, s_ptr, t_ptr, n_ptr, c_ptr, sk_ptr, idx_ptr, qjl_ptr, rnorm_ptr, norm_ptr,
     T, NH, scale, idx_row_bytes, qjl_row_bytes,

@@ -126,9 +126,12 @@ def run(args: argparse.Namespace) -> int:
     base: dict | None = None
     for codec in [None, *codecs]:
         try:
+            warm = time.perf_counter()
             one(codec)  # warm-up: kernel compilation, allocator
+            warm = time.perf_counter() - warm
             runs = [one(codec) for _ in range(max(1, args.repeats))]
             res = runs[0]
+            res["warmup_s"] = warm
             res["all_seconds"] = [r["seconds"] for r in runs]
             res["seconds"] = statistics.median(res["all_seconds"])
             res["transformer_s"] = statistics.median(r["transformer_s"] for r in runs)
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                 base = res
             rows.append(_row(codec, args, res, base))
             save_rows(args.json, rows)  # as each row lands: a call cut by its time limit keeps them
-            print(f"{rows[-1]['codec']}: {res['seconds']:.3f} s x{rows[-1]['ratio_to_native']:.2f}", flush=True)
+            print(f"{rows[-1]['codec']}: {res['seconds']:.3f} s x{rows[-1]['ratio_to_native']:.2f} "
+                  f"(warm-up {res['warmup_s']:.1f} s)", flush=True)
         except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
             if codec is None:
                 raise
@@ -164,7 +168,7 @@ def _row(codec: str | None, args, res: dict, base: dict) -> dict:
         "seconds": round(res["seconds"], 4), "ratio_to_native": round(res["seconds"] / base["seconds"], 3),
         "transformer_s": round(res["transformer_s"], 4),
         "transformer_ratio": round(res["transformer_s"] / base["transformer_s"], 3),
-        "all_seconds": [round(x, 4) for x in res["all_seconds"]],
+        "all_seconds": [round(x, 4) for x in res["all_seconds"]], "warmup_s": round(res["warmup_s"], 3),
         "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),
         "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
         "peak_kv_bytes": res["peak_kv_bytes"], "peak_cuda_bytes": res["peak_cuda"],

@@ -152,11 +152,14 @@ def run(args: argparse.Namespace) -> int:
         bases: dict[int, dict] = {}
         for codec in [None, *codecs]:
             try:
+                warm = time.perf_counter()
                 one(preset, codec, preset.frames_per_block * 2)  # warm-up: kernel compilation, allocator
+                warm = time.perf_counter() - warm
                 for frames in frame_counts:
                     runs = [one(preset, codec, frames) for _ in range(max(1, args.repeats))]
                     res = runs[0]
                     res["all_seconds"] = [r["seconds"] for r in runs]
+                    res["warmup_s"], warm = warm, 0.0  # the warm-up is counted in the first frame count's row
                     res["seconds"] = statistics.median(res["all_seconds"])
                     del runs
                     if codec is None:
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                     rows.append(_row(preset.name, codec, frames, f"{h}x{w}", args, res, bases[frames]))
                     save_rows(args.json, rows)  # as each row lands: a call cut by its time limit keeps them
                     print(f"{preset.name} {rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
-                          f"x{rows[-1]['ratio_to_bf16']:.2f}", flush=True)
+                          f"x{rows[-1]['ratio_to_bf16']:.2f} (warm-up {res['warmup_s']:.1f} s)", flush=True)
                     del res
                 if args.count_syncs and cuda:
                     rows[-1]["syncs"] = count_syncs(lambda: one(preset, codec, frame_counts[-1]))
@@ -263,6 +266,7 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
         "merge_units": not args.no_merge,
         "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(res["seconds"] / base["seconds"], 3),
         "all_seconds": [round(x, 3) for x in res.get("all_seconds", [res["seconds"]])],
+        "warmup_s": round(res.get("warmup_s", 0.0), 3),
         "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),
         "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
         "peak_kv_bytes": res["peak_kv_bytes"], "peak_cuda_bytes": res["peak_cuda"],
