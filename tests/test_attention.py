@@ -74,6 +74,30 @@ def test_gather_equals_concatenation_bit_exact():
     assert k.is_contiguous() and v.is_contiguous()
 
 
+def test_gather_joins_runs_of_native_parts_in_one_cat_per_tensor(monkeypatch):
+    """Consecutive native parts in the buffer's dtype are copied by one `torch.cat` a tensor (host work on every
+    attention call); a native part in another dtype, or an encoded one, ends the run and takes the per-part path."""
+    gen = torch.Generator().manual_seed(12)
+    codec = identity_codec()
+    ks = [rand(gen, n, torch.float32) for n in (2, 3, 1, 4, 2)]
+    vs = [rand(gen, n, torch.float32) for n in (2, 3, 1, 4, 2)]
+    ks[3], vs[3] = ks[3].double(), vs[3].double()  # another dtype: copied (and cast) on its own
+    kc, vc = rand(gen, 2, torch.float32), rand(gen, 2, torch.float32)
+    segs = [Segment(ks[0], vs[0]), Segment(ks[1], vs[1]), encoded_segment(codec, ks[2], vs[2]),
+            Segment(ks[3], vs[3]), Segment(ks[4], vs[4])]
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda ts, *a, **kw: cats.append(len(ts)) or real_cat(ts, *a, **kw))
+    k, v = attn.gather(segs, kc, vc, torch.float32)
+    monkeypatch.undo()
+    assert cats == [2, 2, 2, 2]  # [native, native] and [native, current], for K and for V
+    assert torch.equal(k, torch.cat([ks[0], ks[1], ks[2], ks[3].float(), ks[4], kc], 2))
+    assert torch.equal(v, torch.cat([vs[0], vs[1], vs[2], vs[3].float(), vs[4], vc], 2))
+    only_native = [Segment(a, b) for a, b in zip(ks[:3], vs[:3])]
+    k, v = attn.gather(only_native, kc, vc, torch.float32)
+    assert torch.equal(k, torch.cat([*ks[:3], kc], 2)) and torch.equal(v, torch.cat([*vs[:3], vc], 2))
+
+
 def test_decode_path_is_one_sdpa_call_over_the_concatenation():
     gen = torch.Generator().manual_seed(3)
     codec = identity_codec()
