@@ -186,9 +186,16 @@ def gather(
 
 
 def _native_run(parts: Sequence[Segment], i: int, dtype: torch.dtype) -> list[Segment]:
-    """The native segments from `parts[i]` on whose K and V are already in `dtype` (empty when parts[i] is not)."""
+    """The native segments from `parts[i]` on whose K and V are already in `dtype` (empty when parts[i] is not).
+    Parts that carry gradients are left to the per-part copy: `torch.cat(out=...)` does not differentiate."""
+    grad = torch.is_grad_enabled()
+
+    def plain(p: Segment) -> bool:
+        return (not p.encoded and p.k.dtype == dtype and p.v.dtype == dtype
+                and not (grad and (p.k.requires_grad or p.v.requires_grad)))
+
     j = i
-    while j < len(parts) and not parts[j].encoded and parts[j].k.dtype == dtype and parts[j].v.dtype == dtype:
+    while j < len(parts) and plain(parts[j]):
         j += 1
     return list(parts[i:j])
 

@@ -96,6 +96,11 @@ def test_gather_joins_runs_of_native_parts_in_one_cat_per_tensor(monkeypatch):
     only_native = [Segment(a, b) for a, b in zip(ks[:3], vs[:3])]
     k, v = attn.gather(only_native, kc, vc, torch.float32)
     assert torch.equal(k, torch.cat([*ks[:3], kc], 2)) and torch.equal(v, torch.cat([*vs[:3], vc], 2))
+    # parts that need gradients take the per-part copy, which differentiates
+    kg = kc.clone().requires_grad_(True)
+    k, v = attn.gather(only_native, kg, vc, torch.float32)
+    k.sum().backward()
+    assert torch.equal(k, torch.cat([*ks[:3], kc], 2)) and torch.equal(kg.grad, torch.ones_like(kc))
 
 
 def test_decode_path_is_one_sdpa_call_over_the_concatenation():
