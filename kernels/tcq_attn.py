@@ -7,7 +7,7 @@ the V = 2 values table[state_i], where state_i is the last L bits of the token's
 The stream stores step i's code above step i - 1's while the trellis shifts older codes up, so a state is not one
 contiguous window of the packed bits: it is assembled from the codes of the J most recent steps, each read from its
 1-3 byte window of the dense stream and shifted by the bits of the steps after it (the host tables of
-`tcq_decode.lookback`; the extra bit of a wide step comes from the `code_hi` plane at the step's rank). Mixed step
+`mmkv.codecs.tcq.lookback`; the extra bit of a wide step comes from the `code_hi` plane at the step's rank). Mixed step
 widths (fractional rates, `hi` > 0) therefore run fused, the widths living only in those tables. The fp32 table
 (2^L x 2, 16 KB at L = 11) is read through L1 with `lookup`.
 

@@ -18,34 +18,13 @@ import triton.language as tl
 from mmkv.kernels.common import (
     LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, jit, rows_of, store_rows, token_block, vector,
 )
+from mmkv.codecs.tcq import lookback
 from mmkv.kernels.packing import unpack_at
 from mmkv.kernels.rotation import fwht
 
 
 def supports(codec) -> bool:
     return 16 <= codec.head_dim <= 256
-
-
-def lookback(widths: list[int], L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src, shift) [J, steps] int32: the state of step t is OR_j code[src[j, t]] << shift[j, t], masked to L bits,
-    over the J most recent steps (circularly) that hold its bits."""
-    steps = len(widths)
-    rows: list[tuple[list[int], list[int]]] = []
-    for t in range(steps):
-        src, shift, bits, j = [], [], 0, 0
-        while bits < L:
-            src.append((t - j) % steps)
-            shift.append(bits)
-            bits += widths[(t - j) % steps]
-            j += 1
-        rows.append((src, shift))
-    J = max(len(s) for s, _ in rows)
-    src = torch.zeros(J, steps, dtype=torch.int32)
-    shift = torch.full((J, steps), 31, dtype=torch.int32)  # unused slots: a zero code shifted nowhere that matters
-    for t, (s, h) in enumerate(rows):
-        src[: len(s), t] = torch.tensor(s, dtype=torch.int32)
-        shift[: len(h), t] = torch.tensor(h, dtype=torch.int32)
-    return src, shift
 
 
 def tables(codec, device: torch.device) -> dict:

@@ -42,6 +42,10 @@ TRAIN_MODULES = {"video": "mmkv.pipelines.wan.train", "audio": "mmkv.pipelines.a
 STAGES = {"video": ("vae", "dit", "distill"), "audio": ("clap", "sat", "aar")}
 # The stages whose output holds every model of the lane, so that each stage can continue from it.
 INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}  # (an audio release with its training state: aar)
+# `--start-at`: the stages a lane may start from, taking the earlier stages' models from its init as they are (an
+# init holds every model of its lane). Distillation is not one: it needs a teacher, and a distill output holds the
+# student.
+START_AT = {"video": ("dit",), "audio": ("sat", "aar")}
 # Share of --budget each stage trains for. Video: the VAE and the DiT are the long stages (docs/training.md, the
 # fifth and sixth runs); eval runs after, unbudgeted (one prompt at a time, 6 of its 12 runs took 9 minutes on the
 # seventh run's shared H200; it now rolls out 32 prompts together). Audio: the SAT is the long one.
@@ -69,6 +73,31 @@ def parse_shares(text: str | None) -> dict[str, float]:
     return shares
 
 
+def parse_start_at(text: str | None, inits: dict[str, str | None], lanes: list[str]) -> dict[str, str]:
+    """`--start-at STAGE[,STAGE]`: {lane: the stage it starts from}, for the lanes that skip their first stages."""
+    start: dict[str, str] = {}
+    for stage in filter(None, (x.strip() for x in (text or "").split(","))):
+        lane = next((ln for ln, stages in START_AT.items() if stage in stages), None)
+        if lane is None:
+            raise ValueError(f"--start-at {stage!r}: expected one of {', '.join(s for v in START_AT.values() for s in v)}"
+                             " (a lane's first stage needs no --start-at; distill needs its teacher's run)")
+        if lane in start:
+            raise ValueError(f"--start-at names two {lane} stages ({start[lane]}, {stage}); give at most one a lane")
+        if lane not in lanes:
+            raise ValueError(f"--start-at {stage}: the {lane} lane is not run (--lanes {','.join(lanes)})")
+        if inits.get(lane) is None:
+            raise ValueError(f"--start-at {stage}: the {lane} lane's earlier stages come from --{lane}-init; give it")
+        start[lane] = stage
+    return start
+
+
+def lane_stages(lane: str, start_at: dict[str, str] | None) -> tuple[str, ...]:
+    """The stages a lane trains: all of them, or those from its `--start-at` stage on."""
+    stages = STAGES[lane]
+    first = (start_at or {}).get(lane)
+    return stages[stages.index(first):] if first else stages
+
+
 def stage_done(folder: Path) -> bool:
     return (folder / "train.json").is_file()
 
@@ -85,7 +114,12 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
     steps: list[tuple[str, Path, list[str]]] = []
     previous: Path | None = None
     shares = parse_shares(getattr(args, "shares", None))
+    trained = lane_stages(lane, getattr(args, "start_at_lanes", None))
+    if len(trained) < len(STAGES[lane]):
+        previous = Path(init)  # the init stands for the stages before --start-at (it holds their models)
     for k, stage in enumerate(STAGES[lane]):
+        if stage not in trained:
+            continue
         folder = root / stage
         cmd = _python() + ["train", lane, "--stage", stage, "--config", args.config, "--out", str(folder),
                            "--seed", str(args.seed + k)] + device
@@ -213,7 +247,7 @@ def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]
 
     pins: dict[str, list[str]] = {}
     for lane in lanes:
-        for stage in STAGES[lane]:
+        for stage in lane_stages(lane, plan.get("start_at")):
             rec = _read(run / lane / stage / "train.json")
             if rec is None:
                 raise ValueError(f"--replay {run}: its {lane} stage {stage!r} did not finish (no {lane}/{stage}/"
@@ -241,6 +275,7 @@ def apply_replay(args: argparse.Namespace) -> None:
     given = [flag for flag, value in (("--budget", args.budget), ("--shares", args.shares),
                                       ("--video-set", args.video_set), ("--audio-set", args.audio_set),
                                       ("--vae-decoder-only", args.vae_decoder_only), ("--seed", args.seed != 0),
+                                      ("--start-at", getattr(args, "start_at", None)),
                                       ("--config", args.config != "tiny")) if value]
     if given:
         raise ValueError(f"--replay takes every setting from {run}/plan.json; give only --out, --lanes, --device and "
@@ -269,6 +304,7 @@ def apply_replay(args: argparse.Namespace) -> None:
         setattr(args, f"{lane}_init", inits[lane])
         setattr(args, f"{lane}_set", list(plan["overrides"].get(lane, [])))
     args.vae_decoder_only = bool(plan.get("vae_decoder_only", False))
+    args.start_at = ",".join(v for k, v in plan.get("start_at", {}).items() if k in lanes) or None
     args.replay_pins = replay_pins(run, plan, lanes)
     args.replay_of = {"folder": str(run.resolve()), "plan_sha256": sha256_file(run / "plan.json")}
 
@@ -294,6 +330,7 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
                        if v != SHARES[s]},
             "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets,
             **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {}),
+            **({"start_at": args.start_at_lanes} if getattr(args, "start_at_lanes", None) else {}),
             **({"replay_of": args.replay_of, "pins": args.replay_pins} if getattr(args, "replay_of", None) else {})}
 
 
@@ -337,6 +374,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae-decoder-only", action="store_true",
                         help="the vae stage trains the --video-init VAE's decoder alone and keeps its encoder and "
                              "latent statistics, so that the DiT continues on the latents it learned")
+    parser.add_argument("--start-at", default=None, metavar="STAGE[,STAGE]",
+                        help="start a lane at this stage (" + ", ".join(s for v in START_AT.values() for s in v) +
+                             "), its earlier stages' models taken from its --video-init / --audio-init as they are: "
+                             "a run that fits one 10-minute device call (docs/training.md)")
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -362,6 +403,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "vae_decoder_only", False) and (args.video_init is None or "video" not in lanes):
         raise ValueError("--vae-decoder-only fine-tunes an existing VAE's decoder: give --video-init (and the video "
                          "lane)")
+    args.start_at_lanes = parse_start_at(getattr(args, "start_at", None),
+                                         {lane: getattr(args, f"{lane}_init") for lane in LANES}, lanes)
+    if getattr(args, "vae_decoder_only", False) and "video" in args.start_at_lanes:
+        raise ValueError("--vae-decoder-only trains the vae stage, which --start-at dit skips; give one of them")
     if args.eval_prompts < 0:
         raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
     for lane in lanes:  # a bad config name or field fails here, not minutes later in a stage's process

@@ -300,7 +300,7 @@ def _stage_of(folder: Path, what: str) -> str | None:
 def start_stage(args, first_stage: str, previous: dict[str, str] | None = None,
                 init_from: dict[str, tuple[str, ...]] | None = None) -> StageRun:
     """Check a stage's arguments before anything is written: a free --out, --from for every stage after
-    `first_stage` (of the stage `previous[stage]` when given), --init from the same stage (or one of
+    `first_stage` (of the stage, or one of the stages, `previous[stage]` names when given), --init from the same stage (or one of
     `init_from[stage]`, stages whose output also holds this stage's weights); then create --out."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -312,9 +312,11 @@ def start_stage(args, first_stage: str, previous: dict[str, str] | None = None,
         raise ValueError(f"--stage {args.stage} needs --from, the previous stage's output folder")
     source = Path(args.source) if args.source else None
     if source is not None and previous and args.stage in previous:
-        if _stage_of(source, "--from") != previous[args.stage]:
-            raise ValueError(f"--from {source} is not the output of the {previous[args.stage]!r} stage, which "
-                             f"--stage {args.stage} reads")
+        wanted = previous[args.stage]
+        wanted = (wanted,) if isinstance(wanted, str) else tuple(wanted)
+        if _stage_of(source, "--from") not in wanted:
+            raise ValueError(f"--from {source} is not the output of the {' or '.join(repr(w) for w in wanted)} "
+                             f"stage, which --stage {args.stage} reads")
     init = Path(args.init) if args.init else None
     accepted = (init_from or {}).get(args.stage, (args.stage,))
     if init is not None and _stage_of(init, "--init") not in accepted:

@@ -71,16 +71,46 @@ def test_two_passes_come_close_to_the_best_overlap_bits():
     assert float(ours.mean()) <= 1.01 * float(best.mean())
 
 
-def test_states_are_the_circular_bit_string():
-    """The state after step t is the last L bits of the circular code string ending at step t."""
-    widths, L = step_widths(8, 3, 3), 7
-    codes = torch.stack([torch.randint(0, 1 << k, (5,), generator=torch.Generator().manual_seed(k))
-                         for k in widths], -1)
-    bits = [(int(c) >> i) & 1 for row in codes[:1] for c, k in zip(row, widths) for i in reversed(range(k))]
+@pytest.mark.parametrize("steps, k, hi, L", [(8, 3, 3, 7), (64, 4, 0, 8), (64, 4, 21, 11), (64, 10, 5, 16),
+                                          (4, 2, 0, 8), (3, 5, 1, 16)])
+def test_states_are_the_circular_bit_string(steps, k, hi, L):
+    """The state after step t is the last L bits of the circular code string ending at step t (a state that reaches
+    round the whole string, as with 4 steps of 2 bits at L = 8, included)."""
+    widths = step_widths(steps, k, hi)
+    gen = torch.Generator().manual_seed(steps + k + hi + L)
+    codes = torch.stack([torch.randint(0, 1 << w, (5,), generator=gen) for w in widths], -1)
+    states = states_from_codes(codes, widths, L)
     ends = list(itertools.accumulate(widths))
-    for t, end in enumerate(ends):
-        window = [bits[(end - L + i) % len(bits)] for i in range(L)]
-        assert int(states_from_codes(codes, widths, L)[0, t]) == int("".join(map(str, window)), 2)
+    for r in range(codes.shape[0]):
+        bits = [(int(c) >> i) & 1 for c, w in zip(codes[r], widths) for i in reversed(range(w))]
+        for t, end in enumerate(ends):
+            window = [bits[(end - L + i) % len(bits)] for i in range(L)]
+            assert int(states[r, t]) == int("".join(map(str, window)), 2)
+
+
+def test_packing_and_unpacking_ask_the_device_nothing():
+    """Encode and decode around the search make no host sync: the codes are masked to their widths before packing
+    (no range scan), and the wide steps are indices, not a bool mask (whose count the device would be asked)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    asked = []
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                asked.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    codec = build(CodecConfig.parse("tcq:bits=2,hi=16,L=8,norm=32"), head_dim=128, num_heads=2, seed=3, layer=0)
+    x = gaussian(1, 2, 8, 128)
+    codes = codec.codes(codec.unit_rotated(x)[1])
+    gain = torch.ones(codes.shape[:-1])
+    enc = codec.encode(x)  # (the reference encoder's input scan is a sync: the kernel path reads it later)
+    codec.unpack_codes(enc)  # the wide-step indices made once, here
+    with Syncs():
+        packed = codec._pack(codes, gain)
+        again = codec.unpack_codes(enc)
+    assert asked == [] and packed["code_hi"].numel() and torch.equal(again, codes)
 
 
 def greedy(u, table, widths, L):

@@ -229,3 +229,38 @@ def test_a_replay_refuses_an_init_that_changed(run, tmp_path, capsys):
     assert main(["train", "all", "--out", str(tmp_path / "r2"), "--replay", str(copy), "--lanes", "video",
                  "--video-init", str(moved)]) == 2
     assert f"its --video-init {moved} is not the set it continued" in capsys.readouterr().err
+
+
+def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, tmp_path, capsys):
+    """`--start-at dit,aar`: a run that fits one device call. The skipped stages' models come from the inits as they
+    are (the dit stage reads its VAE from the video init, the aar stage its SAT and CLAP from the audio release),
+    each trained stage keeps its seed, and the plan records the start so that a restart must give it again."""
+    video, audio = run / "video" / "distill", run / "audio" / "release"
+    out = tmp_path / "later"
+    argv = _argv(out, "--video-init", video, "--audio-init", audio, "--start-at", "dit,aar", "--eval-prompts", 0)
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "video").iterdir() if p.is_dir()) == ["distill", "dit"]
+    assert sorted(p.name for p in (out / "audio").iterdir() if p.is_dir()) == ["aar", "release"]
+    dit = json.loads((out / "video" / "dit" / "train.json").read_text())
+    assert dit["source"] == str(video) and dit["init"] == str(video) and dit["seed"] == 1
+    aar = json.loads((out / "audio" / "aar" / "train.json").read_text())
+    assert aar["source"] == str(audio) and aar["seed"] == 2
+    assert json.loads((out / "plan.json").read_text())["start_at"] == {"video": "dit", "audio": "aar"}
+    assert trained_audio_assets(out / "audio" / "release") is not None
+    capsys.readouterr()
+    assert main(argv) == 0 and capsys.readouterr().out.count("done already") == 4  # dit, distill; aar, release
+    assert main(argv[:-4] + ["--eval-prompts", "0"]) == 2  # the same run without --start-at
+    assert "start_at: {'video': 'dit', 'audio': 'aar'} then, None now" in capsys.readouterr().err
+    plan = json.loads((out / "plan.json").read_text())
+    assert train_all.replay_pins(out, plan, ["video", "audio"]).keys() == {"dit", "distill", "aar"}
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--start-at", "distill"], "--start-at 'distill': expected one of dit, sat, aar"),
+    (["--start-at", "dit"], "the video lane's earlier stages come from --video-init"),
+    (["--start-at", "sat,aar", "--audio-init", "x"], "names two audio stages (sat, aar)"),
+    (["--start-at", "dit", "--lanes", "audio"], "the video lane is not run"),
+])
+def test_start_at_names_what_it_needs(tmp_path, capsys, extra, match):
+    assert main(_argv(tmp_path / "x", *extra)) == 2
+    assert match in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -275,7 +275,7 @@ def test_stage_order_and_folders_are_checked(stages, tmp_path):
         _run("clap", root / "clap")
     with pytest.raises(ValueError, match="needs --from"):
         _run("sat", tmp_path / "x")
-    with pytest.raises(ValueError, match="not the output of the 'sat' stage"):
+    with pytest.raises(ValueError, match="not the output of the 'sat' or 'aar' stage"):
         _run("aar", tmp_path / "y", root / "clap")
     with pytest.raises(ValueError, match="continues from the output of"):
         _run("aar", tmp_path / "z", root / "sat", init=root / "sat")

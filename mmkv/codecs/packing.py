@@ -26,12 +26,13 @@ def _group(width: int) -> int | None:
     return None
 
 
-def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """codes[..., N] (integers in [0, 2**width)) -> uint8[..., ceil(N*width/8)]."""
+def pack_bits(codes: torch.Tensor, width: int, *, in_range: bool = False) -> torch.Tensor:
+    """codes[..., N] (integers in [0, 2**width)) -> uint8[..., ceil(N*width/8)]. The range is checked (two host syncs
+    on CUDA) unless `in_range` says the caller masked the codes to `width` bits."""
     if not 1 <= width <= 16:
         raise CodecError(f"pack width must be in 1..16 bits, got {width}")
     codes = codes.to(torch.int64)
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << width)):
+    if not in_range and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << width)):
         raise CodecError(f"codes out of range for {width}-bit packing: [{int(codes.min())}, {int(codes.max())}]")
     lead, n = codes.shape[:-1], codes.shape[-1]
     if width == 8:

@@ -29,6 +29,7 @@ u_hat>, see `rotate_query` and `decode_rotated`.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -137,24 +138,44 @@ def viterbi(u: torch.Tensor, table: torch.Tensor, widths: list[int], L: int) -> 
     return _backtrack(end, back, widths, L) & mask
 
 
+def lookback(widths: list[int], L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, shift) [J, steps] int32: the state of step t is OR_j code[src[j, t]] << shift[j, t], masked to L bits,
+    over the J most recent steps (circularly) that hold its bits. Unused slots read step 0 shifted by 31, past any
+    state's bits. The parts of one state occupy disjoint bits (each code is shifted by the widths of the steps after
+    it), so the OR is also a sum."""
+    steps = len(widths)
+    rows: list[tuple[list[int], list[int]]] = []
+    for t in range(steps):
+        src, shift, bits, j = [], [], 0, 0
+        while bits < L:
+            src.append((t - j) % steps)
+            shift.append(bits)
+            bits += widths[(t - j) % steps]
+            j += 1
+        rows.append((src, shift))
+    J = max(len(s) for s, _ in rows)
+    src = torch.zeros(J, steps, dtype=torch.int32)
+    shift = torch.full((J, steps), 31, dtype=torch.int32)
+    for t, (s, h) in enumerate(rows):
+        src[: len(s), t] = torch.tensor(s, dtype=torch.int32)
+        shift[: len(h), t] = torch.tensor(h, dtype=torch.int32)
+    return src, shift
+
+
+@functools.lru_cache(maxsize=None)
+def _lookback_on(widths: tuple[int, ...], L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    src, shift = lookback(list(widths), L)
+    return src.T.contiguous().to(device=device, dtype=torch.int64), shift.T.contiguous().to(device=device,
+                                                                                           dtype=torch.int64)
+
+
 def states_from_codes(codes: torch.Tensor, widths: list[int], L: int) -> torch.Tensor:
     """codes [..., T] -> the trellis states [..., T]: the last L bits of the circular bit string at each step.
 
-    The recurrence runs once over the last steps (enough of them to hold L bits) to fill the wrapped state, then over
-    every step."""
-    steps, mask = len(widths), (1 << L) - 1
-    warm, bits = steps, 0
-    while bits < L:
-        warm -= 1
-        bits += widths[warm]
-    state = torch.zeros_like(codes[..., 0])
-    for t in range(warm, steps):
-        state = ((state << widths[t]) | codes[..., t]) & mask
-    out = []
-    for t in range(steps):
-        state = ((state << widths[t]) | codes[..., t]) & mask
-        out.append(state)
-    return torch.stack(out, dim=-1)
+    One gather of the J codes each state holds (`lookback`), shifted into place and summed (their bits are
+    disjoint): a handful of tensor ops, where the step-by-step recurrence took three a step."""
+    src, shift = _lookback_on(tuple(widths), L, codes.device)  # [T, J]
+    return ((codes[..., src] << shift).sum(-1)) & ((1 << L) - 1)
 
 
 # Shipped tables (`mmkv codebooks build`): the default L at every width the bench runs, L = 11 at 2 and 3 bits (the
@@ -262,12 +283,20 @@ class TCQCodec(Codec):
         self.rotation = RandomizedHadamard(d, num_heads=self.num_heads, seed=self.seed, layer=self.layer,
                                            stream="tcq")
         self.table = trellis_table(self.L, self.k)
-        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict = {}  # per device (and the wide steps')
 
     def _table_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._tables:
             self._tables[device] = self.table.to(device)
         return self._tables[device]
+
+    def _wide_on(self, device: torch.device) -> torch.Tensor:
+        """The wide steps' indices on `device`, made once: indexing with the bool mask `wide` asks the device how many
+        are set (a host sync on CUDA) on every encode and decode."""
+        key = ("wide", device)
+        if key not in self._tables:
+            self._tables[key] = torch.nonzero(self.wide).flatten().to(device)
+        return self._tables[key]
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """q' = H(s * q) per KV head (fp32)."""
@@ -301,9 +330,11 @@ class TCQCodec(Codec):
         return Encoded(str(self.config), tuple(x.shape), x.dtype, self._pack(codes, gain))
 
     def _pack(self, codes: torch.Tensor, gain: torch.Tensor) -> dict[str, torch.Tensor]:
-        tensors = {"code": pack_bits((codes & ((1 << self.k) - 1)).flatten(-2), self.k)}
+        # masked to their widths here, so packing need not scan them (a host sync on CUDA)
+        tensors = {"code": pack_bits((codes & ((1 << self.k) - 1)).flatten(-2), self.k, in_range=True)}
         if self.hi:
-            tensors["code_hi"] = pack_bits((codes[..., self.wide.to(codes.device)] >> self.k).flatten(-2), 1)
+            hi = (codes[..., self._wide_on(codes.device)] >> self.k) & 1
+            tensors["code_hi"] = pack_bits(hi.flatten(-2), 1, in_range=True)
         tensors["gain"] = store_norm(gain, self.norm_bits, f"codec {self.config} (layer {self.layer})")
         return tensors
 
@@ -315,7 +346,7 @@ class TCQCodec(Codec):
         codes = unpack_bits(enc.tensors["code"], self.k, t * self.steps).unflatten(-1, (t, self.steps))
         if self.hi:
             extra = unpack_bits(enc.tensors["code_hi"], 1, t * self.hi).unflatten(-1, (t, self.hi))
-            codes[..., self.wide.to(codes.device)] |= extra << self.k
+            codes[..., self._wide_on(codes.device)] |= extra << self.k
         return codes
 
     def unit_from_codes(self, codes: torch.Tensor) -> torch.Tensor:

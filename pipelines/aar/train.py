@@ -50,7 +50,7 @@ from mmkv.codecs.base import private_generator
 from mmkv.io import save_pretrained
 from mmkv.demo import TINY_CLAP_AUDIO, TINY_CLAP_TEXT
 from mmkv.pipelines.aar import sounds
-from mmkv.pipelines.aar.loaders import load_aar, load_sat, save_released_format
+from mmkv.pipelines.aar.loaders import load_aar, load_sat, save_released_format, training_state_file
 from mmkv.pipelines.aar.model import AAR, AARConfig, build_aar
 from mmkv.pipelines.aar.sat import AAR_PATCH_NUMS, SAT, SATConfig
 from mmkv.pipelines.aar.clap_training import (  # noqa: F401  (re-exported: train.contrastive_loss, ...)
@@ -395,6 +395,10 @@ def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     save_released_format(ema, out / f"AAR_{cfg.name}.pth")
     if sat_path.resolve() != (out / sat_path.name).resolve():
         shutil.copy2(sat_path, out / sat_path.name)
+        state = training_state_file(sat_path)  # a release as --from keeps the SAT's encoder here
+        if state.is_file():
+            training_state_file(out / sat_path.name).parent.mkdir(exist_ok=True)
+            shutil.copy2(state, training_state_file(out / sat_path.name))
     _copy_tree(clap_dir, out / "clap")
     stats["heldout"] = evaluate_aar(ema, sat, clap_model, extractor, cfg, device, seed)
     h = stats["heldout"]
@@ -494,7 +498,8 @@ def _copy_tree(src: Path, dst: Path) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stage_arguments(parser, STAGES, CONFIGS,
-                        "the previous stage's output folder (sat: the clap stage's; aar: the sat stage's)")
+                        "the previous stage's output folder (sat: the clap stage's; aar: the sat stage's; a later "
+                        "stage's output, which holds the same models, will do)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -502,8 +507,9 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides[f"{args.stage}_steps"] = args.steps
     cfg = get_config(args.config, **overrides)
-    # A later stage's output holds copies of the earlier stages' models (sat: clap/; aar: clap/ and the SAT).
-    st = start_stage(args, first_stage="clap", previous={"sat": "clap", "aar": "sat"},
+    # A later stage's output holds copies of the earlier stages' models (sat: clap/; aar: clap/ and the SAT), so it
+    # may stand for them: `train all --start-at aar` reads the SAT and CLAP of an aar output (or audio release).
+    st = start_stage(args, first_stage="clap", previous={"sat": ("clap", "sat", "aar"), "aar": ("sat", "aar")},
                      init_from={"clap": STAGES, "sat": ("sat", "aar"), "aar": ("aar",)})
     common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
     if args.stage == "clap":
