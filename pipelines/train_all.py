@@ -52,9 +52,9 @@ START_AT = {"video": ("dit",), "audio": ("sat", "aar")}
 SHARES = {"vae": 0.33, "dit": 0.45, "distill": 0.16, "clap": 0.08, "sat": 0.5, "aar": 0.36}
 
 
-def parse_shares(text: str | None) -> dict[str, float]:
-    """SHARES with `--shares STAGE=FRACTION,...` in place of the named stages' defaults; each lane's shares must add
-    up to at most 1 (its budget)."""
+def parse_shares(text: str | None, start_at: dict[str, str] | None = None) -> dict[str, float]:
+    """SHARES with `--shares STAGE=FRACTION,...` in place of the named stages' defaults; the shares of the stages each
+    lane trains (all, or those from its `--start-at` stage on) must add up to at most 1 (its budget)."""
     shares = dict(SHARES)
     for item in filter(None, (x.strip() for x in (text or "").split(","))):
         stage, _, value = item.partition("=")
@@ -66,8 +66,8 @@ def parse_shares(text: str | None) -> dict[str, float]:
             raise ValueError(f"--shares {item!r}: expected STAGE=FRACTION with STAGE one of {', '.join(SHARES)} and "
                              "0 < FRACTION <= 1")
         shares[stage] = share
-    for lane, stages in STAGES.items():
-        total = sum(shares[s] for s in stages)
+    for lane in STAGES:
+        total = sum(shares[s] for s in lane_stages(lane, start_at))
         if total > 1 + 1e-9:
             raise ValueError(f"--shares: the {lane} lane's stages take {total:.2f} of the budget; at most 1")
     return shares
@@ -113,8 +113,8 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
     device = ["--device", args.device] if args.device else []
     steps: list[tuple[str, Path, list[str]]] = []
     previous: Path | None = None
-    shares = parse_shares(getattr(args, "shares", None))
     trained = lane_stages(lane, getattr(args, "start_at_lanes", None))
+    shares = parse_shares(getattr(args, "shares", None), getattr(args, "start_at_lanes", None))
     if len(trained) < len(STAGES[lane]):
         previous = Path(init)  # the init stands for the stages before --start-at (it holds their models)
     for k, stage in enumerate(STAGES[lane]):
@@ -326,7 +326,8 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
             inits[lane] = {"folder": str(Path(init).resolve()), "train_json_sha256": sha256_file(record)}
     sets = {lane: list(getattr(args, f"{lane}_set")) for lane in lanes if getattr(args, f"{lane}_set")}
     return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
-            "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None)).items()
+            "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None),
+                                                     getattr(args, "start_at_lanes", None)).items()
                        if v != SHARES[s]},
             "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets,
             **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {}),
@@ -399,7 +400,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lanes {args.lanes!r}: expected a comma-separated subset of {', '.join(LANES)}")
     if args.budget is not None and args.budget <= 0:
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
-    parse_shares(args.shares)
     if getattr(args, "vae_decoder_only", False) and (args.video_init is None or "video" not in lanes):
         raise ValueError("--vae-decoder-only fine-tunes an existing VAE's decoder: give --video-init (and the video "
                          "lane)")
@@ -407,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
                                          {lane: getattr(args, f"{lane}_init") for lane in LANES}, lanes)
     if getattr(args, "vae_decoder_only", False) and "video" in args.start_at_lanes:
         raise ValueError("--vae-decoder-only trains the vae stage, which --start-at dit skips; give one of them")
+    parse_shares(args.shares, args.start_at_lanes)
     if args.eval_prompts < 0:
         raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
     for lane in lanes:  # a bad config name or field fails here, not minutes later in a stage's process

@@ -264,3 +264,19 @@ def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, tmp_path,
 def test_start_at_names_what_it_needs(tmp_path, capsys, extra, match):
     assert main(_argv(tmp_path / "x", *extra)) == 2
     assert match in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_start_at_shares_the_budget_among_the_stages_it_trains(run, tmp_path, capsys):
+    args = argparse.Namespace(config="micro", seed=0, device="cpu", budget=400.0, eval_prompts=2,
+                              video_init=str(run / "video" / "distill"), audio_init=str(run / "audio" / "release"),
+                              video_set=[], audio_set=[], shares="dit=0.6,distill=0.4,aar=1",
+                              start_at_lanes={"video": "dit", "audio": "aar"})
+    cmds = {name: cmd for lane in train_all.LANES for name, _, cmd in train_all.lane_commands(lane, tmp_path, args)}
+    assert list(cmds) == ["dit", "distill", "eval", "aar", "release"]
+    budgets = {name: float(cmd[cmd.index("--budget") + 1]) for name, cmd in cmds.items() if "--budget" in cmd}
+    assert budgets == {"dit": 240, "distill": 160, "aar": 400}
+    assert cmds["dit"][cmds["dit"].index("--from") + 1] == args.video_init
+    assert cmds["aar"][cmds["aar"].index("--from") + 1] == args.audio_init
+    # the same shares for a run of every stage overfill its lanes (vae 0.33 + 1)
+    assert main(_argv(tmp_path / "x", "--budget", 400, "--shares", "dit=0.6,distill=0.4,aar=1")) == 2
+    assert "the video lane's stages take 1.33 of the budget" in capsys.readouterr().err
