@@ -20,7 +20,8 @@ with other settings is refused. `--video-init` / `--audio-init` continue every s
 run's outputs (weights only, each stage with a new seed, as `--init` does): the latest trained video model, which
 the repository keeps in `mmkv/assets/video/` with its `train.json` (docs/decisions.md, "Trained weights are
 committed at the end of every session that trains them"), is such an init. Seeds: stage k of a lane draws with
-`--seed + k`.
+`--seed + k`. `--start-at dit,aar` (or `sat`) trains a lane's later stages only, the earlier stages' models taken
+from its init as they are, so that a run fits one 10-minute device call (docs/training.md, "One run a device call").
 """
 
 from __future__ import annotations
