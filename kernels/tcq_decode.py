@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mmkv.codecs.tcq import lookback
 from mmkv.kernels.common import (
     LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, jit, rows_of, store_rows, token_block, vector,
 )
-from mmkv.codecs.tcq import lookback
 from mmkv.kernels.packing import unpack_at
 from mmkv.kernels.rotation import fwht
 

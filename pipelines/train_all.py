@@ -80,8 +80,9 @@ def parse_start_at(text: str | None, inits: dict[str, str | None], lanes: list[s
     for stage in filter(None, (x.strip() for x in (text or "").split(","))):
         lane = next((ln for ln, stages in START_AT.items() if stage in stages), None)
         if lane is None:
-            raise ValueError(f"--start-at {stage!r}: expected one of {', '.join(s for v in START_AT.values() for s in v)}"
-                             " (a lane's first stage needs no --start-at; distill needs its teacher's run)")
+            names = ", ".join(s for v in START_AT.values() for s in v)
+            raise ValueError(f"--start-at {stage!r}: expected one of {names} (a lane's first stage needs no "
+                             "--start-at; distill needs its teacher's run)")
         if lane in start:
             raise ValueError(f"--start-at names two {lane} stages ({start[lane]}, {stage}); give at most one a lane")
         if lane not in lanes:

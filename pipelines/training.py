@@ -297,11 +297,11 @@ def _stage_of(folder: Path, what: str) -> str | None:
     return json.loads(record.read_text()).get("stage")
 
 
-def start_stage(args, first_stage: str, previous: dict[str, str] | None = None,
+def start_stage(args, first_stage: str, previous: dict[str, tuple[str, ...]] | None = None,
                 init_from: dict[str, tuple[str, ...]] | None = None) -> StageRun:
     """Check a stage's arguments before anything is written: a free --out, --from for every stage after
-    `first_stage` (of the stage, or one of the stages, `previous[stage]` names when given), --init from the same stage (or one of
-    `init_from[stage]`, stages whose output also holds this stage's weights); then create --out."""
+    `first_stage` (the output of one of the stages `previous[stage]` names, when given), --init from the same stage
+    (or one of `init_from[stage]`, stages whose output also holds this stage's weights); then create --out."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu (slow) or a GPU machine")
@@ -313,7 +313,6 @@ def start_stage(args, first_stage: str, previous: dict[str, str] | None = None,
     source = Path(args.source) if args.source else None
     if source is not None and previous and args.stage in previous:
         wanted = previous[args.stage]
-        wanted = (wanted,) if isinstance(wanted, str) else tuple(wanted)
         if _stage_of(source, "--from") not in wanted:
             raise ValueError(f"--from {source} is not the output of the {' or '.join(repr(w) for w in wanted)} "
                              f"stage, which --stage {args.stage} reads")
