@@ -108,6 +108,10 @@ def test_compare_audio_end_to_end_with_bad_clips_and_resume(workdir, tiny_clap, 
         a_id, _ = sf.read(run / "rollouts" / item / variants[1] / "audio.wav", dtype="float32")
         assert sr == 24_000 and a_ref.shape == (1600,) and np.array_equal(a_ref, a_id)
         assert kivi["kv_bytes"] < ident["kv_bytes"] and kivi["effective_bits"] < 32
+        # bits are of the encoded elements only (the report's legend says so); KV× counts the native window too
+        c = kivi["cache"]
+        assert kivi["effective_bits"] == (c["k_effective_bits"] + c["v_effective_bits"]) / 2
+        assert kivi["kv_ratio"] == kivi["bf16_kv_bytes"] / kivi["kv_bytes"]
     assert records["d_silent", "reference"]["condition"]["silent"] is True
     assert records["c_short", "reference"]["condition"]["shorter_than_clap_window"] is True
     assert records["b_long", "reference"]["condition"]["truncated"] is True

@@ -120,8 +120,9 @@ def main_table(s: Summary, metrics: dict[str, tuple[str, ...]] | None = None) ->
         "min / μ / max across the items (prompts or clips) of each codec, each compared with the same item's "
         "native-cache reference rollout (uncompressed: bf16 on GPU, fp32 on CPU; same seed, byte-identical initial noise). μ: bold = best, underlined = "
         "runner-up within a bit-width block.",
-        "b: nominal bits of the preset; KV×: bf16 KV bytes / bytes really stored; bits: measured effective bits per "
-        "KV element (payload, side information and native residual window).",
+        "b: nominal bits of the preset; KV×: bf16 KV bytes / bytes really stored (the native residual window "
+        "included, fp32 on CPU); bits: measured bits per encoded K/V element (payload and side information; the "
+        "native window is not in it; for the reference, bits per held element).",
     ]
     kinds = {g.kind for g in s.groups}
     if "video" in kinds:
