@@ -47,6 +47,9 @@ def random_signs(dim: int, seed: int, *keys) -> torch.Tensor:
     return (torch.randint(0, 2, (dim,), generator=g, dtype=torch.int64) * 2 - 1).to(torch.int8)
 
 
+_SIGNS_ON: dict = {}  # (dim, heads, seed, layer, stream, device, dtype) -> the signs there (read only)
+
+
 class RandomizedHadamard:
     """R = H diag(s), one sign vector per head; `stream` separates independent rotations (e.g. QJL's R')."""
 
@@ -56,12 +59,19 @@ class RandomizedHadamard:
         self.dim = dim
         self.num_heads = num_heads
         self.signs = torch.stack([random_signs(dim, seed, stream, layer, h) for h in range(num_heads)])  # [H, D] int8
+        self._key = (dim, num_heads, seed, layer, stream)
 
     def _s(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.signs.to(device=x.device, dtype=x.dtype)
-        if self.num_heads == 1:
-            return s[0]
-        return s.view(self.num_heads, 1, self.dim)  # broadcast over [..., H, T, D]
+        # Copied to a device once a process for each rotation and dtype: a copy from host memory on every call is a
+        # host sync on CUDA (420 a full-size TCQ CausVid rollout, `mmkv bench video --count-syncs`), and a store
+        # builds its codecs (and their rotations) anew for every rollout.
+        key = (*self._key, x.device, x.dtype)
+        s = _SIGNS_ON.get(key)
+        if s is None:
+            s = self.signs.to(device=x.device, dtype=x.dtype)
+            s = s[0] if self.num_heads == 1 else s.view(self.num_heads, 1, self.dim)  # broadcast over [..., H, T, D]
+            _SIGNS_ON[key] = s
+        return s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return hadamard_transform(x * self._s(x))

@@ -220,6 +220,9 @@ def trellis_table(L: int, k: int) -> torch.Tensor:
     return codebooks.load("tcq", f"L{L}_k{k}").view(1 << L, V)
 
 
+_TABLES_ON: dict = {}  # (L, k, device) -> the trellis table, ("wide", steps, hi, device) -> the wide steps
+
+
 def _chunk(L: int) -> int:
     """Vectors per Viterbi call: 2^20 state costs at once (4 MB temporaries, cache-sized: 1.7x faster on one CPU core
     than 2^22 at L = 11; each vector's codes do not depend on the grouping)."""
@@ -283,20 +286,22 @@ class TCQCodec(Codec):
         self.rotation = RandomizedHadamard(d, num_heads=self.num_heads, seed=self.seed, layer=self.layer,
                                            stream="tcq")
         self.table = trellis_table(self.L, self.k)
-        self._tables: dict = {}  # per device (and the wide steps')
 
     def _table_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._tables:
-            self._tables[device] = self.table.to(device)
-        return self._tables[device]
+        """The table on `device`, one copy a process for each (L, k): a store builds a codec a layer and role, and
+        each copy from host memory is a host sync on CUDA."""
+        key = (self.L, self.k, torch.device(device))
+        if key not in _TABLES_ON:
+            _TABLES_ON[key] = self.table.to(device)
+        return _TABLES_ON[key]
 
     def _wide_on(self, device: torch.device) -> torch.Tensor:
         """The wide steps' indices on `device`, made once: indexing with the bool mask `wide` asks the device how many
         are set (a host sync on CUDA) on every encode and decode."""
-        key = ("wide", device)
-        if key not in self._tables:
-            self._tables[key] = torch.nonzero(self.wide).flatten().to(device)
-        return self._tables[key]
+        key = ("wide", self.steps, self.hi, torch.device(device))
+        if key not in _TABLES_ON:
+            _TABLES_ON[key] = torch.nonzero(self.wide).flatten().to(device)
+        return _TABLES_ON[key]
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """q' = H(s * q) per KV head (fp32)."""
