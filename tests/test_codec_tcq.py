@@ -113,6 +113,21 @@ def test_packing_and_unpacking_ask_the_device_nothing():
     assert asked == [] and packed["code_hi"].numel() and torch.equal(again, codes)
 
 
+def test_read_only_tables_reach_a_device_once_a_process():
+    """A store builds its codecs anew for every rollout; the rotation's signs, the trellis table and the wide steps
+    are copied to a device once (each copy from host memory is a host sync on CUDA), and stay distinct where they
+    differ."""
+    cfg = CodecConfig.parse("tcq:bits=2,hi=16,L=8")
+    a, b = (build(cfg, head_dim=128, num_heads=2, seed=3, layer=0) for _ in range(2))
+    other = build(cfg, head_dim=128, num_heads=2, seed=3, layer=1)
+    x = gaussian(1, 2, 8, 128)
+    assert a.rotation._s(x) is b.rotation._s(x)
+    assert a.rotation._s(x.double()) is not a.rotation._s(x) and a.rotation._s(x.double()).dtype == torch.float64
+    assert not torch.equal(other.rotation._s(x), a.rotation._s(x))
+    assert a._table_on(x.device) is b._table_on(x.device) and a._wide_on(x.device) is b._wide_on(x.device)
+    assert torch.equal(a.decode(a.encode(x)), b.decode(b.encode(x)))
+
+
 def greedy(u, table, widths, L):
     """Per-step rounding on the same table: the best first state, then the best k bits a step given the state."""
     S = 1 << L
