@@ -54,6 +54,7 @@ def test_profile_summary_counts_kernels_launches_and_syncs():
     s = video.profile_summary(events)
     assert s["gpu_kernel_s"] == 2.5 and s["launches"] == 70 and s["triton_launches"] == 40 and s["host_syncs"] == 7
     assert list(s["top_kernels_ms"]) == ["sdpa_kernel", "_octopus_decode_kernel"]
+    assert s["most_launched"] == {"_octopus_decode_kernel": 40, "sdpa_kernel": 10}
 
 
 def test_tiny_bench_runs_every_loop_and_codec_in_one_process(tmp_path, capsys):

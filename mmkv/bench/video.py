@@ -229,7 +229,7 @@ def count_syncs(fn) -> dict:
 
 def profile_summary(events) -> dict:
     """What a profiled rollout spent, from `torch.profiler` key averages: GPU kernel seconds, kernel launches (all,
-    and Triton's `cuLaunchKernelEx`), host synchronisations (stream/device/event syncs) and the top kernels."""
+    and Triton's `cuLaunchKernelEx`), host synchronisations (stream/device/event syncs), the top kernels by time and the most launched ones."""
     def device_time(e) -> float:
         return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
 
@@ -238,12 +238,14 @@ def profile_summary(events) -> dict:
              ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaStreamSynchronize",
               "cudaDeviceSynchronize", "cudaEventSynchronize")}
     top = sorted(kernels, key=device_time, reverse=True)[:5]
+    launched = sorted(kernels, key=lambda e: e.count, reverse=True)[:8]
     return {
         "gpu_kernel_s": round(sum(device_time(e) for e in kernels) / 1e6, 3),
         "launches": count["cudaLaunchKernel"] + count["cuLaunchKernelEx"] + count["cudaLaunchKernelExC"],
         "triton_launches": count["cuLaunchKernelEx"],
         "host_syncs": count["cudaStreamSynchronize"] + count["cudaDeviceSynchronize"] + count["cudaEventSynchronize"],
         "top_kernels_ms": {e.key[:60]: round(device_time(e) / 1e3, 1) for e in top},
+        "most_launched": {e.key[:60]: e.count for e in launched},  # which kernels a codec's extra launches are
     }
 
 
