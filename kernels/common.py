@@ -126,7 +126,7 @@ def head_count(codec) -> int:
 
 def vector(dtype: torch.dtype) -> int:
     """Entries in a 16-byte access of `dtype`: the chunk width of `load_rows` / `store_rows`."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 _TABLES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()

@@ -25,7 +25,7 @@ from mmkv.kernels.rotation import fwht_lanes
 
 @jit
 def _minmax_encode_kernel(
-    x_ptr, norm_ptr, codes_ptr, scale_ptr, offset_ptr,
+    x_ptr, norm_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr,
     T, NH, rscale, row_bytes, NGT,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROUNDED: tl.constexpr,
@@ -91,6 +91,9 @@ def _minmax_encode_kernel(
         m = (tt < n_tok)[:, None] & (gi < NG)[None, :]
     tl.store(scale_ptr + off, scale, mask=m)
     tl.store(offset_ptr + off, offset, mask=m)
+    # this program's flag: a stored scale or offset is NaN/Inf (the host reads any() of them, one reduction)
+    bad = (s != s) | (tl.abs(s) == float("inf")) | (o != o) | (tl.abs(o) == float("inf"))
+    tl.store(bad_ptr + row64 * tl.num_programs(0) + tl.program_id(0), tl.max(tl.where(m, bad, False).to(tl.int8)))
 
 
 def supports_minmax(head_dim: int, group: int, bits: int) -> bool:
@@ -140,15 +143,16 @@ def minmax_encode(
     scale = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
     offset = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
     bt = block_tokens(group, dp, channel)
+    flags = torch.empty(rows * triton.cdiv(T, bt), dtype=torch.int8, device=dev)  # one a program
     if rows and T:
         _minmax_encode_kernel[(triton.cdiv(T, bt), rows)](
-            x, norm if norm is not None else x, codes, scale, offset,
+            x, norm if norm is not None else x, codes, scale, offset, flags,
             T, norm_heads, 1.0 / math.sqrt(D), row_bytes, ngt,
             D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
             ROUNDED=zero_point == "rounded", num_warps=4 if bt * dp <= 4096 else 8, **LAUNCH,
         )
     if scale.numel():  # one reduction; read now (a host sync) or with the caller's other checks (`encode_scope`)
-        bad = ~(torch.isfinite(scale).all() & torch.isfinite(offset).all())
+        bad = flags.any()  # the programs' flags: isfinite(scale).all() & isfinite(offset).all(), negated
         what = f"{where}: group scale/offset overflow {meta_dtype}"
         hint = "use meta=fp32 for inputs beyond the fp16 range"
         if not collecting():
