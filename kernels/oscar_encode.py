@@ -1,10 +1,10 @@
 """OScaR encode + pack on the kernel (OScaR's two steps; reference `mmkv/codecs/oscar.py`).
 
-K (role=k): a first kernel rotates each token (k~ = H k, no signs) and writes its squared norm per head; torch sums
-those over the KV heads and takes the root (n_t = 1 when not finite or <= 0), as the reference; the min-max kernel of
-`kernels/groupquant_encode.py` then rotates again, divides by n_t and quantises per channel over groups of G tokens
-with the rounded integer zero point. The per-head sums run in another order than torch's, so n_t may differ from the
-reference by an ulp, and a code may then differ where k^ sits within an ulp of a rounding boundary
+K (role=k): a first kernel rotates each token (k~ = H k, no signs), sums its squares over the channels and then over
+the KV heads in head order, and takes the root (n_t = 1 when not finite or <= 0), as the reference does; the min-max
+kernel of `kernels/groupquant_encode.py` then rotates again, divides by n_t and quantises per channel over groups of
+G tokens with the rounded integer zero point. The channel sums run in another order than torch's, so n_t may differ
+from the reference by an ulp, and a code may then differ where k^ sits within an ulp of a rounding boundary
 (docs/decisions.md, "Codec kernels"). V (role=v): rotation, then per-token groups of G channels; bit-identical.
 """
 
@@ -23,12 +23,23 @@ from mmkv.kernels.rotation import fwht
 
 
 @jit
-def _rotated_sumsq_kernel(x_ptr, out_ptr, T, rscale, vr, D: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
-    row, row64, t0, n_tok = token_block(T, BT)
+def _token_norm_kernel(x_ptr, out_ptr, T, rscale, vr, NH: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
+                       V: tl.constexpr):
+    """n_t for BT tokens of one batch row: the heads' sums of squares of H k added in head order (as torch sums a
+    [..., H, T] tensor over its head axis on the CPU), the root rounded to nearest, 1 where <= 0 or not finite."""
+    pid_t = tl.program_id(0)
+    b64 = tl.program_id(1).to(tl.int64)
+    t0 = pid_t * BT
+    n_tok = tl.minimum(T - t0, BT)
     tt = tl.arange(0, BT)
-    x = load_rows(x_ptr, row64 * T * D, t0, n_tok, vr, BT, D, V)
-    r = fwht(x.to(tl.float32), BT, D) * rscale
-    tl.store(out_ptr + row64 * T + t0 + tt, tl.sum(r * r, axis=1), mask=tt < n_tok)
+    acc = tl.zeros((BT,), tl.float32)
+    for h in tl.static_range(NH):
+        x = load_rows(x_ptr, (b64 * NH + h) * T * D, t0, n_tok, vr, BT, D, V)
+        r = fwht(x.to(tl.float32), BT, D) * rscale
+        acc += tl.sum(r * r, axis=1)
+    n = tl.sqrt_rn(acc)
+    n = tl.where((n > 0) & (n < float("inf")), n, 1.0)  # NaN fails both
+    tl.store(out_ptr + b64 * T + t0 + tt, n, mask=tt < n_tok)
 
 
 def supports(codec) -> bool:
@@ -36,20 +47,20 @@ def supports(codec) -> bool:
 
 
 def token_norms(x: torch.Tensor) -> torch.Tensor:
-    """n_t = ||H k_t|| over all KV heads (dim -3) and channels, fp32 [..., T]; 1 where <= 0 or not finite."""
+    """n_t = ||H k_t|| over all KV heads (dim -3) and channels, fp32 [..., T]; 1 where <= 0 or not finite. One
+    launch: the sums over the heads, the root and the fallback happen in the kernel."""
     *lead, T, D = x.shape
-    sq = torch.empty(*lead, T, dtype=torch.float32, device=x.device)
-    rows = rows_of(x)
+    heads = x.shape[-3] if x.dim() >= 3 else 1
+    out_lead = lead[:-1] if x.dim() >= 3 else lead
+    norm = torch.empty(*out_lead, T, dtype=torch.float32, device=x.device)
+    batch = rows_of(x) // heads if heads else 0
     bt = 32 * ROWS_WARPS
     v = min(vector(x.dtype), D)
-    if rows and T:
-        _rotated_sumsq_kernel[(triton.cdiv(T, bt), rows)](
-            x, sq, T, 1.0 / math.sqrt(D), v, D=D, BT=bt, V=v, num_warps=ROWS_WARPS, **LAUNCH
+    if batch and T:
+        _token_norm_kernel[(triton.cdiv(T, bt), batch)](
+            x, norm, T, 1.0 / math.sqrt(D), v, NH=heads, D=D, BT=bt, V=v, num_warps=ROWS_WARPS, **LAUNCH
         )
-    if x.dim() >= 3:
-        sq = sq.sum(-2)
-    norm = sq.sqrt()
-    return torch.where(torch.isfinite(norm) & (norm > 0), norm, torch.ones_like(norm)).contiguous()
+    return norm
 
 
 def encode(codec, x: torch.Tensor) -> Encoded:
