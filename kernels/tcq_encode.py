@@ -1,6 +1,6 @@
 """TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP's bitshift
-trellis; reference `mmkv/codecs/tcq.py`). The rotation, the gain and the bit packing around it are the reference's
-torch code (`TCQCodec.unit_rotated`, `unit_from_codes`, `_pack`): the search is where the time goes.
+trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel (`unit_rotated`); the gain and the
+bit packing around the search are the reference's torch code (`TCQCodec.unit_from_codes`, `_pack`).
 
 One program walks `vectors` vectors (one by default) with their 2^L path costs each on chip, as a [vectors, 2^L]
 tile (launches of at most `PROGRAMS` vectors reuse one back-pointer scratch). A step of
@@ -16,12 +16,15 @@ the codes, are the reference's bit for bit wherever both see the same u.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import LAUNCH, device_tables, jit
+from mmkv.kernels.rotation import rotate
 from mmkv.kernels.tcq_decode import supports  # noqa: F401  (same range as the decoder)
 
 PROGRAMS = 4096  # vectors a launch (each with its own back-pointer scratch)
@@ -169,11 +172,21 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetc
     return codes.to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
+def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`codec.unit_rotated(x)` with the rotation H(s * x) in one launch (`mmkv.kernels.rotation.rotate`, the same
+    butterfly, so bit-identical), where the torch butterfly takes three ops a stage."""
+    signs = device_tables(codec, x.device, "tcq-signs", lambda: {"signs": codec.rotation.signs})["signs"]
+    r = rotate(x, signs)
+    norm = x.norm(dim=-1, keepdim=True)
+    u = r * (math.sqrt(codec.head_dim) / torch.where(norm > 0, norm, torch.ones_like(norm)))
+    return r, u
+
+
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
            programs: int | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
     `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them)."""
-    r, u = codec.unit_rotated(x.float())
+    r, u = unit_rotated(codec, x.float())
     codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
