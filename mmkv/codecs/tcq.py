@@ -142,7 +142,12 @@ def lookback(widths: list[int], L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(src, shift) [J, steps] int32: the state of step t is OR_j code[src[j, t]] << shift[j, t], masked to L bits,
     over the J most recent steps (circularly) that hold its bits. Unused slots read step 0 shifted by 31, past any
     state's bits. The parts of one state occupy disjoint bits (each code is shifted by the widths of the steps after
-    it), so the OR is also a sum."""
+    it), so the OR is also a sum. Built once a process for each (widths, L): read only."""
+    return _lookback(tuple(widths), L)
+
+
+@functools.lru_cache(maxsize=None)
+def _lookback(widths: tuple[int, ...], L: int) -> tuple[torch.Tensor, torch.Tensor]:
     steps = len(widths)
     rows: list[tuple[list[int], list[int]]] = []
     for t in range(steps):
