@@ -229,7 +229,8 @@ def count_syncs(fn) -> dict:
 
 def profile_summary(events) -> dict:
     """What a profiled rollout spent, from `torch.profiler` key averages: GPU kernel seconds, kernel launches (all,
-    and Triton's `cuLaunchKernelEx`), host synchronisations (stream/device/event syncs), the top kernels by time and the most launched ones."""
+    and Triton's `cuLaunchKernelEx`), host synchronisations (stream/device/event syncs), the top kernels by time
+    and the most launched ones."""
     def device_time(e) -> float:
         return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
 
