@@ -1,4 +1,5 @@
-"""The TCQ encoder's launch variants compile for an H100 / H200 (sm_90) on a machine without a GPU.
+"""The TCQ encoder's launch variants, the min-max encoder and OScaR's token-norm kernel compile for an H100 / H200
+(sm_90) on a machine without a GPU.
 
 The interpreter tests (tests/test_kernels_tcq.py) check what the kernels compute, but the interpreter accepts code
 that the GPU compiler rejects; device time is scarce, so the variants that `kernels/gpu_check_codecs.py` times are
@@ -50,3 +51,45 @@ def test_tcq_encoder_variants_compile_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     sizes = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(sizes) == len(cases) and all(s > 1000 for s in sizes)  # a cubin for each
+
+
+MINMAX = textwrap.dedent("""
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mmkv.kernels import groupquant_encode, oscar_encode
+    from mmkv.kernels.common import LAUNCH, ROWS_WARPS
+
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"x_ptr": "*bf16", "norm_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*fp16", "offset_ptr": "*fp16",
+           "bad_ptr": "*i8", "T": "i32", "NH": "i32", "rscale": "fp32", "row_bytes": "i32", "NGT": "i32",
+           "D": "constexpr", "DP": "constexpr", "BT": "constexpr", "G": "constexpr", "BITS": "constexpr",
+           "CHANNEL": "constexpr", "ROTATE": "constexpr", "NORM": "constexpr", "ROUNDED": "constexpr"}
+    out = []
+    for channel, rotate in [(True, True), (False, True), (False, False)]:  # OScaR K, OScaR V, KIVI V
+        consts = {"D": 128, "DP": 128, "BT": 32, "G": 32, "BITS": 2, "CHANNEL": channel, "ROTATE": rotate,
+                  "NORM": channel and rotate, "ROUNDED": rotate}
+        k = triton.compile(ASTSource(fn=groupquant_encode._minmax_encode_kernel, signature=sig, constexprs=consts),
+                           target=target, options={"num_warps": 4, **LAUNCH})
+        out.append(len(k.asm["cubin"]))
+    sig = {"x_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "NH": "i32", "rscale": "fp32", "vr": "i32",
+           "D": "constexpr", "BT": "constexpr", "V": "constexpr"}
+    k = triton.compile(ASTSource(fn=oscar_encode._token_norm_kernel, signature=sig,
+                                 constexprs={"D": 128, "BT": 32 * ROWS_WARPS, "V": 8}),
+                       target=target, options={"num_warps": ROWS_WARPS, **LAUNCH})
+    out.append(len(k.asm["cubin"]))
+    print(json.dumps(out))
+""")
+
+
+def test_minmax_encoder_and_oscar_norm_kernels_compile_for_sm90(tmp_path):
+    """The min-max encoder with its non-finite flags, and OScaR's token-norm kernel with its loop over the heads
+    (a runtime loop: unrolled over 12 heads the kernel took 51 s to compile, looped about 2 s; a cold cache here)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", MINMAX], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    built = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(built) == 4 and all(size > 1000 for size in built)
+    size = built[-1]
+    assert size < 2_000_000, f"the token-norm kernel's cubin is {size} bytes: is the head loop unrolled again?"
