@@ -16,8 +16,6 @@ the codes, are the reference's bit for bit wherever both see the same u.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -176,10 +174,7 @@ def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`codec.unit_rotated(x)` with the rotation H(s * x) in one launch (`mmkv.kernels.rotation.rotate`, the same
     butterfly, so bit-identical), where the torch butterfly takes three ops a stage."""
     signs = device_tables(codec, x.device, "tcq-signs", lambda: {"signs": codec.rotation.signs})["signs"]
-    r = rotate(x, signs)
-    norm = x.norm(dim=-1, keepdim=True)
-    u = r * (math.sqrt(codec.head_dim) / torch.where(norm > 0, norm, torch.ones_like(norm)))
-    return r, u
+    return codec.unit_rotated(x, rotate(x, signs))
 
 
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,

@@ -317,9 +317,10 @@ class TCQCodec(Codec):
         return self.rotation.inverse(y.float())
 
     # -- encode ------------------------------------------------------------------------------------------------
-    def unit_rotated(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., T, D] fp32 -> (r = H(s * x), u = r * sqrt(d) / ||x||), u's coordinates close to N(0, 1)."""
-        r = self.rotation.forward(x)
+    def unit_rotated(self, x: torch.Tensor, r: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, D] fp32 -> (r = H(s * x), u = r * sqrt(d) / ||x||), u's coordinates close to N(0, 1). `r`: the
+        rotation already computed (the encode kernel's path rotates with the Hadamard kernel)."""
+        r = self.rotation.forward(x) if r is None else r
         norm = x.norm(dim=-1, keepdim=True)
         u = r * (math.sqrt(self.head_dim) / torch.where(norm > 0, norm, torch.ones_like(norm)))
         return r, u
