@@ -570,3 +570,45 @@ def test_dit_stage_trains_with_an_object_weight(stages, tmp_path):
     rec = json.loads((tmp_path / "dit" / "train.json").read_text())
     assert rec["config"]["dit_object_weight"] == 4 and rec["steps"] == 6
     assert all(np.isfinite(v) for _, v in rec["loss_curve"])
+
+
+def test_deepen_keeps_the_function_and_refuses_a_depth_that_is_not_a_multiple():
+    from mmkv.pipelines.wan.model import CausalWan
+
+    cfg = train.get_config("micro", dit={**train.get_config("micro").dit, "num_layers": 2})
+    dit = train.build_dit(cfg, seed=3).eval()
+    deep = train.deepen(dit, 6)
+    assert isinstance(deep, CausalWan) and deep.num_layers == 6 and deep.config.num_layers == 6
+    assert len(deep.transformer.blocks) == 6 and not deep.training
+    sd, deep_sd = dit.transformer.state_dict(), deep.transformer.state_dict()
+    assert torch.equal(deep_sd["blocks.3.attn1.to_q.weight"], sd["blocks.1.attn1.to_q.weight"])
+    assert torch.equal(deep_sd["blocks.3.ffn.net.2.weight"], sd["blocks.1.ffn.net.2.weight"])
+    assert not deep_sd["blocks.4.ffn.net.2.weight"].any() and not deep_sd["blocks.5.attn2.to_out.0.bias"].any()
+    assert deep_sd["blocks.4.attn1.to_k.weight"].abs().sum() > 0
+    x = torch.randn(1, 2, 16, 4, 6, generator=torch.Generator().manual_seed(0))
+    t = torch.full((1, 2), 500.0)
+    ctx = torch.randn(1, 5, cfg.dit["text_dim"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = train.first_block_flow(dit, x, t, ctx)
+        b = train.first_block_flow(deep, x, t, ctx)
+    assert torch.equal(a, b)  # each copy adds exact zeros to the residual stream
+    assert train.deepen(dit, 2) is dit
+    with pytest.raises(ValueError, match="dit_layers=3: the init's DiT has 2 layers; give a multiple of 2"):
+        train.deepen(dit, 3)
+
+
+def test_dit_stage_deepens_its_init_and_the_release_says_so(stages, tmp_path):
+    from mmkv.pipelines.wan.loaders import load_wan
+
+    root = stages[0]
+    ns = argparse.Namespace(stage="dit", config="micro", source=str(root / "vae"), out=str(tmp_path / "dit"),
+                            seed=4, budget=None, steps=3, device="cpu", init=str(root / "dit"), decoder_only=False,
+                            overrides=["dit_layers=2"])
+    assert train.run(ns) == 0
+    rec = json.loads((tmp_path / "dit" / "train.json").read_text())
+    assert rec["config"]["dit_layers"] == 2
+    first_run = json.loads((root / "dit" / "train.json").read_text())["loss_curve"]
+    assert rec["loss_curve"][0][1] < first_run[0][1]  # the deepened init starts where its init ended
+    comps = load_wan(tmp_path / "dit" / "causvid", tmp_path / "dit" / "base", device="cpu")
+    assert comps.dit.num_layers == 2
+    assert json.loads((tmp_path / "dit" / "base" / "transformer" / "config.json").read_text())["num_layers"] == 2

@@ -40,6 +40,7 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
         save_pretrained(tokenizer, base / "tokenizer")
         (base / "transformer").mkdir(exist_ok=True)
         dit_cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.dit.items()}
+        dit_cfg["num_layers"] = dit.num_layers  # the model's own (`dit_layers`, or an init's)
         (base / "transformer" / "config.json").write_text(json.dumps(
             {"_class_name": "WanTransformer3DModel", **dit_cfg, "text_len": cfg.text_len}, indent=2) + "\n")
         (base / "model_index.json").write_text(json.dumps({

@@ -130,6 +130,10 @@ class VideoTrainConfig:
     # a replay (`mmkv train all --replay`) pins the counts an earlier run made, so that it draws the same ones.
     ode_chunk_trajectories: int = -1
     ode_frame_trajectories: int = -1
+    # The DiT's depth (0: `dit["num_layers"]`, or the init's). A `dit` stage given an init with fewer layers deepens
+    # it first (`deepen`: each block followed by copies of itself whose outputs are zeroed, so the deeper model
+    # starts as the same function and the copies learn from there).
+    dit_layers: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,7 +224,47 @@ def build_dit(cfg: VideoTrainConfig, seed: int):
 
     from mmkv.pipelines.wan.model import CausalWan
 
-    return CausalWan(seeded(seed, lambda: WanTransformer3DModel(**cfg.dit)))
+    dit_cfg = {**cfg.dit, "num_layers": cfg.dit_layers or cfg.dit["num_layers"]}
+    return CausalWan(seeded(seed, lambda: WanTransformer3DModel(**dit_cfg)))
+
+
+# The projections that write a Wan block's three branches into the residual stream: zeroed, the block is the identity
+# (diffusers `WanTransformerBlock.forward`: h + attn1(.) * gate, h + attn2(.), h + ffn(.) * gate).
+_BLOCK_OUTPUTS = ("attn1.to_out.0.weight", "attn1.to_out.0.bias", "attn2.to_out.0.weight", "attn2.to_out.0.bias",
+                  "ffn.net.2.weight", "ffn.net.2.bias")
+
+
+def deepen(dit, layers: int):
+    """`dit` (a `CausalWan`) with `layers` blocks by block expansion (Wu et al. 2024, "LLaMA Pro: Progressive
+    LLaMA with Block Expansion", "Block Expansion"): each block is followed by `layers / num_layers - 1` copies of itself
+    whose output projections are zeroed, so the deeper model computes the same function as `dit` and the copies,
+    whose inputs already see trained features, learn from there. Unlike LLaMA Pro every block keeps training."""
+    import re
+
+    from diffusers import WanTransformer3DModel
+
+    from mmkv.pipelines.wan.model import CausalWan
+
+    old = dit.num_layers
+    if layers == old:
+        return dit
+    if layers < old or layers % old:
+        raise ValueError(f"dit_layers={layers}: the init's DiT has {old} layers; give a multiple of {old} "
+                         f"(each block is followed by copies of itself)")
+    k = layers // old
+    config = {key: v for key, v in dict(dit.transformer.config).items() if not key.startswith("_")}
+    state = {}
+    for key, value in dit.transformer.state_dict().items():
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
+        if m is None:
+            state[key] = value
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        for r in range(k):
+            state[f"blocks.{i * k + r}.{rest}"] = value.clone().zero_() if r and rest in _BLOCK_OUTPUTS else value
+    transformer = WanTransformer3DModel(**{**config, "num_layers": layers})
+    transformer.load_state_dict(state, strict=True)
+    return CausalWan(transformer.to(dit.device, dit.dtype)).train(dit.training)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -600,6 +644,9 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
     else:  # continue an earlier `dit` run (weights only: optimizer state and the schedule start afresh)
         encoder, dit = _load_release(init, device)
         tokenizer = word_tokenizer(scenes.vocabulary(), cfg.text_len)
+        if cfg.dit_layers:
+            dit = deepen(dit, cfg.dit_layers).requires_grad_(True)
+            log(f"dit: the init's DiT deepened to {dit.num_layers} layers")
     dit.state.cache_cross_attn = False  # the text changes every step
     ema_dit, ema_enc = frozen_copy(dit), frozen_copy(encoder)
     f = data.shape[1]
