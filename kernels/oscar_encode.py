@@ -5,7 +5,9 @@ the KV heads in head order, and takes the root (n_t = 1 when not finite or <= 0)
 kernel of `kernels/groupquant_encode.py` then rotates again, divides by n_t and quantises per channel over groups of
 G tokens with the rounded integer zero point. The channel sums run in another order than torch's, so n_t may differ
 from the reference by an ulp, and a code may then differ where k^ sits within an ulp of a rounding boundary
-(docs/decisions.md, "Codec kernels"). V (role=v): rotation, then per-token groups of G channels; bit-identical.
+(docs/decisions.md, "Codec kernels"). V (role=v): rotation, then per-token groups of G channels: bit-identical
+under the interpreter; on an H200 the codes are the reference's and a few groups' fp16 scales one ulp off, as the
+rotation's products round differently there (docs/perf.md, run I).
 """
 
 from __future__ import annotations
