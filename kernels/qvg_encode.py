@@ -1,7 +1,7 @@
 """QVG encode: the last stage's centre subtraction fused with the block quantiser and the bit packing, the kernel twin
 of `mmkv.codecs.qvg.subtract` + `quantize_residual` + `pack_bits` (the release's `minus_centroid` and
 `_quant_pack_kernel` in `quant_videogen/real/`); `encode` runs the whole codec with `qvg_assign` for the k-means
-assignment (the centre update stays the reference's fp64 scatter, which is deterministic).
+assignment and `qvg_update` for the centre update (fp64 sums, exact, so their atomic order does not matter).
 
 One program takes BT tokens x D channels of one (batch, head) problem: r = x - C[id] rounded to the residual dtype,
 per block of BLK channels the absmax (or min and max), the scale divided in fp32 (`div_rn`, like torch), clamped to
@@ -21,6 +21,7 @@ from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import LAUNCH, cast_to, jit, rint, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.qvg_assign import assign, supports_shape
+from mmkv.kernels.qvg_update import update
 
 
 @triton.jit
@@ -130,6 +131,6 @@ def quant_pack(codec, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
 
 
 def encode(codec, x: torch.Tensor) -> Encoded:
-    """`codec.encode(x)` for qvg on the kernels: k-means with the Triton assignment, then the fused subtract + quantise
-    + pack of the last stage."""
-    return codec.encode_with(x, assign, lambda residual, last: quant_pack(codec, residual, last))
+    """`codec.encode(x)` for qvg on the kernels: k-means with the Triton assignment and centre update, then the fused
+    subtract + quantise + pack of the last stage."""
+    return codec.encode_with(x, assign, lambda residual, last: quant_pack(codec, residual, last), update)

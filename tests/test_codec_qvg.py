@@ -437,7 +437,7 @@ def _kernels():
         pytest.skip("interpreter tests: run with TRITON_INTERPRET=1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    names = ["common", "packing", "qvg_assign", "qvg_encode", "qvg_decode"]
+    names = ["common", "packing", "qvg_assign", "qvg_update", "qvg_encode", "qvg_decode"]
     mods = {n: importlib.import_module(f"mmkv.kernels.{n}") for n in names}
     if not isinstance(mods["qvg_assign"]._assign_kernel, InterpretedFunction):
         mods = {n: importlib.reload(mods[n]) for n in names}  # imported before the variable was set
@@ -521,6 +521,22 @@ def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
     want = v.to(torch.float8_e4m3fn)
     assert torch.equal(bits, want.view(torch.uint8).int()) and torch.equal(val, want.float())
     assert torch.equal(back, want.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_centre_update_is_the_reference_bit_for_bit(dtype):
+    """The fp64 sums are exact, so the kernel's atomic adds give the reference's means whatever their order: centres
+    (bf16) and counts equal, empty clusters keep their old centre, a partial token block and a 64-d head."""
+    k = _kernels()
+    pts = kv_like((3, 150, 64), seed=14, dtype=dtype)
+    ids = torch.randint(0, 12, (3, 150), generator=gen(15))
+    ids[1] = ids[1] % 5  # problem 1 leaves centres 5-11 empty
+    old = kv_like((3, 16, 64), seed=16, dtype=torch.bfloat16)  # centres 12-15 are never chosen anywhere
+    want, want_counts = Q.update_centroids(pts, ids, old)
+    got, counts = k["qvg_update"].update(pts, ids, old)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert counts.dtype == torch.int32 and torch.equal(counts.long(), want_counts)
+    assert torch.equal(got[1, 5:], old[1, 5:]) and not torch.equal(got[1, :5], old[1, :5])
 
 
 def test_dispatch_lists_the_qvg_kernels(monkeypatch):

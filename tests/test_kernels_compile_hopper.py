@@ -93,3 +93,37 @@ def test_minmax_encoder_and_oscar_norm_kernels_compile_for_sm90(tmp_path):
     assert len(built) == 4 and all(size > 1000 for size in built)
     size = built[-1]
     assert size < 2_000_000, f"the token-norm kernel's cubin is {size} bytes: is the head loop unrolled again?"
+
+
+QVG_UPDATE = textwrap.dedent("""
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mmkv.kernels import qvg_update
+    from mmkv.kernels.common import LAUNCH
+
+    target = GPUTarget("cuda", 90, 32)
+    out = []
+    sig = {"x_ptr": "*bf16", "ids_ptr": "*i64", "sums_ptr": "*fp64", "counts_ptr": "*i32", "N": "i32", "K": "i32",
+           "D": "constexpr", "BT": "constexpr"}
+    k = triton.compile(ASTSource(fn=qvg_update._sums_kernel, signature=sig, constexprs={"D": 128, "BT": 64}),
+                       target=target, options={"num_warps": 4, **LAUNCH})
+    out.append((len(k.asm["cubin"]), "atom.global" in k.asm["ptx"] and ".f64" in k.asm["ptx"]))
+    sig = {"sums_ptr": "*fp64", "counts_ptr": "*i32", "old_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32",
+           "D": "constexpr", "BK": "constexpr"}
+    k = triton.compile(ASTSource(fn=qvg_update._finish_kernel, signature=sig, constexprs={"D": 128, "BK": 32}),
+                       target=target, options={"num_warps": 4, **LAUNCH})
+    out.append((len(k.asm["cubin"]), "div.rn.f64" in k.asm["ptx"]))
+    print(json.dumps(out))
+""")
+
+
+def test_qvg_centre_update_kernels_compile_for_sm90(tmp_path):
+    """QVG's centre update: fp64 atomic adds (native on sm_90) and an IEEE fp64 division, as the reference's torch
+    ops compute them."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", QVG_UPDATE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    built = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [ok for _, ok in built] == [True, True] and all(size > 1000 for size, _ in built)

@@ -104,6 +104,7 @@ def kmeans(
     iters: int,
     tol: float,
     assign: Callable[..., torch.Tensor] = assign_reference,
+    update: Callable[..., tuple[torch.Tensor, torch.Tensor]] = update_centroids,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Lloyd's k-means as released (`kmeans/`) on P problems at once: points [P, N, D], init centres [P, K, D] bf16.
 
@@ -112,14 +113,15 @@ def kmeans(
     centres become the new means. Without an early stop the last ids come back with the means computed from them.
     The last iteration's decision only picks between those two centre tables, so it is made on the device
     (`torch.where`, no host sync); only earlier iterations, where it decides whether to go on, read it on the host.
-    With the released 2 iterations no call syncs. Returns (ids int64 [P, N], centres bf16 [P, K, D], iterations run).
+    With the released 2 iterations no call syncs. `assign` and `update` are `assign_reference` and
+    `update_centroids` or their kernel twins. Returns (ids int64 [P, N], centres bf16 [P, K, D], iterations run).
     """
     x_sq = sq_norms(points)
     c = init
     prev = None
     for it in range(iters):
         ids = assign(points, c, x_sq, sq_norms(c))
-        new, _ = update_centroids(points, ids, c)
+        new, _ = update(points, ids, c)
         if prev is not None:
             stop = (ids != prev).double().mean() < tol
             if it + 1 == iters:
@@ -289,8 +291,10 @@ class QVGCodec(Codec):
             cache[key] = to_device_shared({"i": host}, torch.device(device), "qvg:init")["i"]
         return cache[key]
 
-    def encode_with(self, x: torch.Tensor, assign: Callable, quantize: Callable) -> Encoded:
-        """The encode pipeline with pluggable assignment and final subtract+quantise+pack (the Triton kernels)."""
+    def encode_with(self, x: torch.Tensor, assign: Callable, quantize: Callable,
+                    update: Callable = update_centroids) -> Encoded:
+        """The encode pipeline with pluggable assignment, centre update and final subtract+quantise+pack (the
+        Triton kernels)."""
         *lead, n, d = x.shape
         problems = 1
         for s in lead:
@@ -300,7 +304,7 @@ class QVGCodec(Codec):
         for stage in range(self.stages):
             idx = self._init_indices(stage, problems, n, x.device)
             init = torch.gather(residual, 1, idx.unsqueeze(-1).expand(problems, self.centroids, d))
-            ids, cents, it = kmeans(residual, init.to(torch.bfloat16), self.iters, self.tol, assign)
+            ids, cents, it = kmeans(residual, init.to(torch.bfloat16), self.iters, self.tol, assign, update)
             ids_all.append(ids)
             cents_all.append(cents)
             iters.append(it)
