@@ -3,7 +3,7 @@ trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel (`
 bit packing around the search are the reference's torch code (`TCQCodec.unit_from_codes`, `_pack`).
 
 One program walks `vectors` vectors (one by default) with their 2^L path costs each on chip, as a [vectors, 2^L]
-tile (launches of at most `PROGRAMS` vectors reuse one back-pointer scratch). A step of
+tile (launches of at most `vectors_a_launch` vectors reuse one back-pointer scratch). A step of
 k = K or K + 1 bits: the costs viewed as [2^K, 2^L / 2^K] are reduced over their first axis (min and argmin, the
 lowest index on ties, as torch's `min`); a wide step folds the two halves of that result once more, which is the same
 minimum over 2^(K+1) predecessors and keeps every shape constant. The back-pointers (k bits a state column and step)
@@ -25,7 +25,18 @@ from mmkv.kernels.common import LAUNCH, device_tables, jit
 from mmkv.kernels.rotation import rotate
 from mmkv.kernels.tcq_decode import supports  # noqa: F401  (same range as the decoder)
 
-PROGRAMS = 4096  # vectors a launch (each with its own back-pointer scratch)
+# Vectors a launch. Each has its own back-pointer scratch (steps x 2^(L-k) int16: 2 KB at 2 bits, L = 8), and a
+# launch takes as many as SCRATCH_BYTES hold: one Wan head group's 56,160 vectors go in one launch (115 MB of
+# scratch at 2 bits). In launches of 4,096 (14 for that tensor, one after another) its encode took 3.83 ms
+# against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch variants).
+SCRATCH_BYTES = 128 << 20
+PROGRAMS: int | None = None  # a fixed count of vectors a launch instead (tests)
+
+
+def vectors_a_launch(codec) -> int:
+    if PROGRAMS is not None:
+        return PROGRAMS
+    return max(1, SCRATCH_BYTES // (codec.steps * ((1 << codec.L) >> codec.k) * 2))
 
 
 @triton.jit
@@ -146,10 +157,10 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetc
     """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings
     (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
     as an [vectors, 2^L] tile; `prefetch`: each step's inputs loaded one step ahead; `programs`: vectors a launch
-    (default `PROGRAMS`), each with its own back-pointer scratch of steps x 2^(L-k) int16."""
+    (default `vectors_a_launch`), each with its own back-pointer scratch of steps x 2^(L-k) int16."""
     if vectors < 1 or vectors & (vectors - 1):
         raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
-    per = PROGRAMS if programs is None else programs
+    per = vectors_a_launch(codec) if programs is None else programs
     if isinstance(per, bool) or not isinstance(per, int) or per < 1:
         raise ValueError(f"tcq_encode: programs (vectors a launch) must be a positive int, got {programs!r}")
     flat = u.reshape(-1, codec.steps, 2).contiguous()
