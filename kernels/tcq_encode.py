@@ -1,6 +1,8 @@
 """TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP's bitshift
-trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel (`unit_rotated`); the gain and the
-bit packing around the search are the reference's torch code (`TCQCodec.unit_from_codes`, `_pack`).
+trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel (`unit_rotated`); after the search one
+more kernel (`finish`) rebuilds u_hat from the codes, takes the least-squares gain and packs the codes, where the
+reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as some twenty torch ops (codecs with wide steps
+still do).
 
 One program walks `vectors` vectors (one by default) with their 2^L path costs each on chip, as a [vectors, 2^L]
 tile (launches of at most `vectors_a_launch` vectors reuse one back-pointer scratch). A step of
@@ -21,9 +23,11 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, device_tables, jit
+from mmkv.codecs.checks import check_or_defer
+from mmkv.kernels.common import LAUNCH, device_tables, jit, rows_of, token_block
+from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import rotate
-from mmkv.kernels.tcq_decode import supports  # noqa: F401  (same range as the decoder)
+from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401  (supports: the decoder's range)
 
 # Vectors a launch. Each has its own back-pointer scratch (steps x 2^(L-k) int16: 2 KB at 2 bits, L = 8), and a
 # launch takes as many as SCRATCH_BYTES hold: one Wan head group's 56,160 vectors go in one launch (115 MB of
@@ -31,6 +35,7 @@ from mmkv.kernels.tcq_decode import supports  # noqa: F401  (same range as the d
 # against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch variants).
 SCRATCH_BYTES = 128 << 20
 PROGRAMS: int | None = None  # a fixed count of vectors a launch instead (tests)
+FINISH_TOKENS = 32  # vectors a program of the finishing kernel (a multiple of 8: whole bytes a block)
 
 
 def vectors_a_launch(codec) -> int:
@@ -158,6 +163,13 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetc
     (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
     as an [vectors, 2^L] tile; `prefetch`: each step's inputs loaded one step ahead; `programs`: vectors a launch
     (default `vectors_a_launch`), each with its own back-pointer scratch of steps x 2^(L-k) int16."""
+    return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs).to(
+        torch.int64).view(*u.shape[:-1], codec.steps)
+
+
+def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
+           programs: int | None = None) -> torch.Tensor:
+    """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order."""
     if vectors < 1 or vectors & (vectors - 1):
         raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
     per = vectors_a_launch(codec) if programs is None else programs
@@ -178,7 +190,7 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetc
                 STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, PREFETCH=bool(prefetch),
                 num_warps=warps, **LAUNCH,
             )
-    return codes.to(torch.int64).view(*u.shape[:-1], codec.steps)
+    return codes
 
 
 def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,11 +200,77 @@ def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codec.unit_rotated(x, rotate(x, signs))
 
 
+@jit
+def _tcq_finish_kernel(codes_ptr, r_ptr, table_ptr, src_ptr, shift_ptr, packed_ptr, gain_ptr, bad_ptr,
+                       T, row_bytes,
+                       D: tl.constexpr, STEPS: tl.constexpr, BT: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                       J: tl.constexpr, FP16: tl.constexpr):
+    """After the search, for BT vectors of one row: the states from the codes (`lookback`), u_hat from the table,
+    the least-squares gain <r, u_hat> / <u_hat, u_hat> (stored in fp16 or fp32, with a flag where an fp16 gain
+    overflows) and the codes packed into the row's bit stream: `unit_from_codes`, the gain and `_pack` in one pass."""
+    row, row64, t0, n_tok = token_block(T, BT)
+    tt = tl.arange(0, BT)
+    cols = tl.arange(0, STEPS)
+    tmask = (tt < n_tok)[:, None]
+    vec = row64 * T + t0 + tt
+    codes = tl.load(codes_ptr + vec[:, None] * STEPS + cols[None, :], mask=tmask, other=0)
+    state = tl.zeros((BT, STEPS), tl.int32)
+    for j in tl.static_range(J):
+        src = tl.load(src_ptr + j * STEPS + cols)[None, :]
+        code = tl.load(codes_ptr + vec[:, None] * STEPS + src, mask=tmask, other=0)
+        state |= code << tl.load(shift_ptr + j * STEPS + cols)[None, :]
+    state &= (1 << L) - 1
+    u = tl.reshape(tl.join(tl.load(table_ptr + 2 * state), tl.load(table_ptr + 2 * state + 1)), (BT, D))
+    r = tl.load(r_ptr + vec[:, None] * D + tl.arange(0, D)[None, :], mask=tmask, other=0.0)
+    gain = tl.math.div_rn(tl.sum(r * u, axis=1), tl.sum(u * u, axis=1))
+    keep = tt < n_tok
+    if FP16:
+        tl.store(gain_ptr + vec, gain.to(tl.float16), mask=keep)
+        tl.store(bad_ptr + row64 * tl.num_programs(0) + tl.program_id(0),
+                 tl.max(tl.where(keep & ~(gain <= 65504.0), 1, 0), axis=0).to(tl.int8))
+    else:
+        tl.store(gain_ptr + vec, gain, mask=keep)
+    pack_block(codes, packed_ptr, row64 * row_bytes, t0, n_tok, BT, STEPS, STEPS, K, 0, 0, STEPS)
+
+
+def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`codec._pack(codes, gain)` with u_hat and the gain from the search's int32 codes [vectors, steps] and the
+    rotated r [..., T, D] fp32, in one launch (codecs without wide steps): the codes are packed as `_pack` packs
+    them; the gain's sums run in the kernel's order, so a gain may differ from the reference's in its last bit
+    (an fp16 gain then rounds the same way but in rare ties)."""
+    *lead, T, D = r.shape
+    rows = rows_of(r)
+    dev = r.device
+    row_bytes = (T * codec.steps * codec.k + 7) // 8
+    packed = torch.empty(*lead, row_bytes, dtype=torch.uint8, device=dev)
+    fp16 = codec.norm_bits == 16
+    gain = torch.empty(*lead, T, dtype=torch.float16 if fp16 else torch.float32, device=dev)
+    bt = FINISH_TOKENS
+    bad = torch.zeros(rows * triton.cdiv(T, bt) if fp16 else 1, dtype=torch.int8, device=dev)
+    if rows and T:
+        tab = tables(codec, dev)  # the decode kernel's: table, lookback src and shift
+        _tcq_finish_kernel[(triton.cdiv(T, bt), rows)](
+            codes, r.contiguous(), tab["table"], tab["src"], tab["shift"], packed, gain, bad, T, row_bytes,
+            D=D, STEPS=codec.steps, BT=bt, K=codec.k, L=codec.L, J=tab["src"].shape[0], FP16=fp16,
+            num_warps=4, **LAUNCH,
+        )
+    if fp16 and gain.numel():
+        where = f"codec {codec.config} (layer {codec.layer})"
+        check_or_defer(bad.any(), lambda: (f"{where}: a vector norm of {float(gain.float().max()):.4g} does not fit an "
+                                           "fp16 norm (max 65504.0); use norm=32"))
+    return {"code": packed, "gain": gain}
+
+
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
-           programs: int | None = None) -> Encoded:
+           programs: int | None = None, fused: bool = True) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
-    `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them)."""
+    `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them).
+    `fused` (codecs without wide steps): the states, gain and packing after the search in one kernel (`finish`);
+    otherwise the reference's torch code, whose gains are the reference's bit for bit."""
     r, u = unit_rotated(codec, x.float())
+    if fused and not codec.hi:
+        codes = search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs)
+        return Encoded(str(codec.config), tuple(x.shape), x.dtype, finish(codec, codes, r))
     codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)

@@ -127,3 +127,36 @@ def test_qvg_centre_update_kernels_compile_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     built = json.loads(res.stdout.strip().splitlines()[-1])
     assert [ok for _, ok in built] == [True, True] and all(size > 1000 for size, _ in built)
+
+
+TCQ_FINISH = textwrap.dedent("""
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mmkv.kernels import tcq_encode
+    from mmkv.kernels.common import LAUNCH
+
+    sig = {"codes_ptr": "*i32", "r_ptr": "*fp32", "table_ptr": "*fp32", "src_ptr": "*i32", "shift_ptr": "*i32",
+           "packed_ptr": "*u8", "gain_ptr": "*fp16", "bad_ptr": "*i8", "T": "i32", "row_bytes": "i32",
+           "D": "constexpr", "STEPS": "constexpr", "BT": "constexpr", "K": "constexpr", "L": "constexpr",
+           "J": "constexpr", "FP16": "constexpr"}
+    out = []
+    for k, L, j, fp16 in [(4, 8, 2, True), (6, 9, 2, True), (8, 11, 2, False)]:  # the default L of 2, 3, 4 bits
+        if not fp16:
+            sig = {**sig, "gain_ptr": "*fp32"}
+        consts = {"D": 128, "STEPS": 64, "BT": tcq_encode.FINISH_TOKENS, "K": k, "L": L, "J": j, "FP16": fp16}
+        c = triton.compile(ASTSource(fn=tcq_encode._tcq_finish_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **LAUNCH})
+        out.append(len(c.asm["cubin"]))
+    print(json.dumps(out))
+""")
+
+
+def test_tcq_finishing_kernel_compiles_for_sm90(tmp_path):
+    """The one-kernel finish after TCQ's search (states, gain, packing) at the default L of each width."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", TCQ_FINISH], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    built = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(built) == 3 and all(size > 1000 for size in built)

@@ -133,3 +133,36 @@ def test_decode_into_a_token_slice():
     assert got.data_ptr() == buf[..., 3:, :].data_ptr()
     assert torch.equal(buf[..., 3:9, :], codec._decode(enc).to(torch.bfloat16))
     assert not buf[..., :3, :].any() and not buf[..., 9:, :].any()
+
+
+@pytest.mark.parametrize("preset,d,heads,t,dtype", [c for c in CASES if "hi=" not in c[0]],
+                         ids=[f"{c[0]}-d{c[1]}" for c in CASES if "hi=" not in c[0]])
+def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, t, dtype):
+    """The one-kernel finish after the search: the packed codes are the reference's bytes, the gains the
+    reference's up to the order of two 128-term sums (an fp16 gain within one ulp), and the whole encode
+    decodes like the reference encoding; 37 tokens leave a partial block of the kernel's 32."""
+    codec, x = _setup(preset, d, heads, 37 if heads else t, dtype, seed=6)
+    ref = codec._encode(x.float())
+    ker = K["tcq_encode"].encode(codec, x)
+    plain = K["tcq_encode"].encode(codec, x, fused=False)
+    assert list(ker.tensors) == list(ref.tensors) == ["code", "gain"]
+    assert torch.equal(ker.tensors["code"], ref.tensors["code"]) and torch.equal(plain.tensors["code"], ref.tensors["code"])
+    assert torch.equal(plain.tensors["gain"], ref.tensors["gain"])
+    g, want = ker.tensors["gain"], ref.tensors["gain"]
+    assert g.dtype == want.dtype and g.shape == want.shape
+    # two sums of 128 products in another order: a few fp32 ulps, which an fp16 gain rounds away but at ties
+    ulps = 2 if want.dtype == torch.float16 else 32
+    assert ((g.float() - want.float()).abs() <= ulps * torch.finfo(want.dtype).eps * want.float().abs()).all()
+    ker.shape, ker.dtype, ker.codec = ref.shape, ref.dtype, ref.codec = tuple(x.shape), x.dtype, str(codec.config)
+    assert torch.allclose(codec._decode(ker), codec._decode(ref), rtol=2e-3, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's fp16 inf
+def test_fused_finish_refuses_a_gain_beyond_fp16():
+    from mmkv.codecs import CodecError
+
+    codec, x = _setup("tcq:bits=2,L=8", 16, 2, 5, torch.float32)
+    with pytest.raises(CodecError, match=r"does not fit an fp16 norm \(max 65504.0\); use norm=32"):
+        K["tcq_encode"].encode(codec, x * 1e5)
+    with pytest.raises(CodecError, match="does not fit an fp16 norm"):
+        codec._encode(x * 1e5)  # the reference says the same
