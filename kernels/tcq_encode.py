@@ -24,6 +24,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
+from mmkv.codecs.turboquant_mse import fp16_norm_message
 from mmkv.kernels.common import LAUNCH, device_tables, jit, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import rotate
@@ -236,8 +237,8 @@ def _tcq_finish_kernel(codes_ptr, r_ptr, table_ptr, src_ptr, shift_ptr, packed_p
 def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tensor]:
     """`codec._pack(codes, gain)` with u_hat and the gain from the search's int32 codes [vectors, steps] and the
     rotated r [..., T, D] fp32, in one launch (codecs without wide steps): the codes are packed as `_pack` packs
-    them; the gain's sums run in the kernel's order, so a gain may differ from the reference's in its last bit
-    (an fp16 gain then rounds the same way but in rare ties)."""
+    them; the gain's sums run in the kernel's order, so a gain may differ from the reference's in its last bits
+    (an fp16 gain then rounds the same way but near ties)."""
     *lead, T, D = r.shape
     rows = rows_of(r)
     dev = r.device
@@ -256,8 +257,7 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
         )
     if fp16 and gain.numel():
         where = f"codec {codec.config} (layer {codec.layer})"
-        check_or_defer(bad.any(), lambda: (f"{where}: a vector norm of {float(gain.float().max()):.4g} does not fit an "
-                                           "fp16 norm (max 65504.0); use norm=32"))
+        check_or_defer(bad.any(), lambda: fp16_norm_message(where, float(gain.float().max())))
     return {"code": packed, "gain": gain}
 
 

@@ -111,17 +111,17 @@ _NORM_DTYPES = {32: torch.float32, 16: torch.float16}
 _FP16_MAX = 65504.0
 
 
+def fp16_norm_message(where: str, big: float) -> str:
+    """The error for a norm (or gain) beyond fp16, `big` the largest one."""
+    return f"{where}: a vector norm of {big:.4g} does not fit an fp16 norm (max {_FP16_MAX}); use norm=32"
+
+
 def store_norm(norm: torch.Tensor, bits: int, where: str) -> torch.Tensor:
     """Norms in the stored dtype (fp32, or fp16 after checking they fit; never bf16: its 8-bit mantissa). The check is a
     host sync, or collected by the active `mmkv.codecs.checks.encode_scope`."""
     if bits == 16 and norm.numel():
         big = norm.max()
-
-        def message() -> str:
-            return (f"{where}: a vector norm of {float(big):.4g} does not fit an fp16 norm (max {_FP16_MAX}); "
-                    "use norm=32")
-
-        check_or_defer(~(big <= _FP16_MAX), message)  # NaN counts as bad
+        check_or_defer(~(big <= _FP16_MAX), lambda: fp16_norm_message(where, float(big)))  # NaN counts as bad
     return norm.to(_NORM_DTYPES[bits]).contiguous()
 
 

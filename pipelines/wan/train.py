@@ -236,9 +236,9 @@ _BLOCK_OUTPUTS = ("attn1.to_out.0.weight", "attn1.to_out.0.bias", "attn2.to_out.
 
 def deepen(dit, layers: int):
     """`dit` (a `CausalWan`) with `layers` blocks by block expansion (Wu et al. 2024, "LLaMA Pro: Progressive
-    LLaMA with Block Expansion", "Block Expansion"): each block is followed by `layers / num_layers - 1` copies of itself
-    whose output projections are zeroed, so the deeper model computes the same function as `dit` and the copies,
-    whose inputs already see trained features, learn from there. Unlike LLaMA Pro every block keeps training."""
+    LLaMA with Block Expansion", "Block Expansion"): each block is followed by `layers / num_layers - 1` copies of
+    itself whose output projections are zeroed, so the deeper model computes the same function as `dit` and the
+    copies, whose inputs already see trained features, learn from there. Unlike LLaMA Pro every block trains."""
     import re
 
     from diffusers import WanTransformer3DModel
