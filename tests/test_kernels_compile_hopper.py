@@ -37,6 +37,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+
+def compiled(script: str, *args: str, cache=None):
+    """Run `script` in a child process without the interpreter or a GPU (Triton's own compiler, target sm_90) and
+    return the JSON its last line prints; `cache`: a cold Triton cache folder."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    if cache is not None:
+        env["TRITON_CACHE_DIR"] = str(cache)
+    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_tcq_encoder_variants_compile_for_sm90():
     cases = [  # the default L of 2 and 4 bits, a width with wide steps; 1 or 4 vectors a program; prefetch or not
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
@@ -45,11 +57,7 @@ def test_tcq_encoder_variants_compile_for_sm90():
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": True, "NV": 1, "PREFETCH": True}, 2),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 2, "PREFETCH": True}, 1),
     ]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cases)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    sizes = json.loads(res.stdout.strip().splitlines()[-1])
+    sizes = compiled(SCRIPT, json.dumps(cases))
     assert len(sizes) == len(cases) and all(s > 1000 for s in sizes)  # a cubin for each
 
 
@@ -86,10 +94,7 @@ MINMAX = textwrap.dedent("""
 def test_minmax_encoder_and_oscar_norm_kernels_compile_for_sm90(tmp_path):
     """The min-max encoder with its non-finite flags, and OScaR's token-norm kernel with its loop over the heads
     (a runtime loop: unrolled over 12 heads the kernel took 51 s to compile, looped about 2 s; a cold cache here)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-c", MINMAX], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    built = json.loads(res.stdout.strip().splitlines()[-1])
+    built = compiled(MINMAX, cache=tmp_path)
     assert len(built) == 4 and all(size > 1000 for size in built)
     size = built[-1]
     assert size < 2_000_000, f"the token-norm kernel's cubin is {size} bytes: is the head loop unrolled again?"
@@ -122,10 +127,7 @@ QVG_UPDATE = textwrap.dedent("""
 def test_qvg_centre_update_kernels_compile_for_sm90(tmp_path):
     """QVG's centre update: fp64 atomic adds (native on sm_90) and an IEEE fp64 division, as the reference's torch
     ops compute them."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-c", QVG_UPDATE], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    built = json.loads(res.stdout.strip().splitlines()[-1])
+    built = compiled(QVG_UPDATE, cache=tmp_path)
     assert [ok for _, ok in built] == [True, True] and all(size > 1000 for size, _ in built)
 
 
@@ -155,8 +157,5 @@ TCQ_FINISH = textwrap.dedent("""
 
 def test_tcq_finishing_kernel_compiles_for_sm90(tmp_path):
     """The one-kernel finish after TCQ's search (states, gain, packing) at the default L of each width."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-c", TCQ_FINISH], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    built = json.loads(res.stdout.strip().splitlines()[-1])
+    built = compiled(TCQ_FINISH, cache=tmp_path)
     assert len(built) == 3 and all(size > 1000 for size in built)
