@@ -493,6 +493,9 @@ def test_kernels_encode_and_decode_match_reference(dtype, preset):
     ker = k["qvg_encode"].encode(codec, x)
     traced, trace = traced_encode(codec, x, k["qvg_assign"].assign, fused)
     assert ker.tensors.keys() == ref.tensors.keys()
+    # Both name the codec as `Codec.encode` does, so a bundle reads the same from either path (the GPU check
+    # compares them).
+    assert ker.codec == ref.codec == str(codec.config) and ker.meta == ref.meta
     for key, t in ker.tensors.items():
         assert _same(t, traced.tensors[key]) and (t.shape, t.dtype) == (ref.tensors[key].shape, ref.tensors[key].dtype)
     check_trace(codec, x, traced, trace)

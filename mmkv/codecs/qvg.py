@@ -316,7 +316,7 @@ class QVGCodec(Codec):
         if self.stages:
             tensors["ids"] = torch.stack(ids_all).to(torch.uint8).reshape(self.stages, *lead, n)
             tensors["centroids"] = torch.stack(cents_all).reshape(self.stages, *lead, self.centroids, d)
-        return Encoded(self.name, tuple(x.shape), x.dtype, tensors, meta={"kmeans_iters": iters})
+        return Encoded(str(self.config), tuple(x.shape), x.dtype, tensors, meta={"kmeans_iters": iters})
 
     def _quantize_reference(self, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
         if last is not None:
