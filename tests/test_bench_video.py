@@ -50,11 +50,19 @@ def test_profile_summary_counts_kernels_launches_and_syncs():
         E(key="cudaLaunchKernel", count=30, device_type=cpu, self_device_time_total=0.0),
         E(key="cuLaunchKernelEx", count=40, device_type=cpu, self_device_time_total=0.0),
         E(key="cudaStreamSynchronize", count=7, device_type=cpu, self_device_time_total=0.0),
+        E(key="cudaMalloc", count=3, device_type=cpu, self_device_time_total=0.0),
+        E(key="cudaFree", count=2, device_type=cpu, self_device_time_total=0.0),
     ]
+    for e, cpu_us in zip(events, (10.0, 20.0, 3000.0, 5000.0, 900.0, 40.0, 7000.0)):
+        e.self_cpu_time_total = cpu_us
     s = video.profile_summary(events)
     assert s["gpu_kernel_s"] == 2.5 and s["launches"] == 70 and s["triton_launches"] == 40 and s["host_syncs"] == 7
     assert list(s["top_kernels_ms"]) == ["sdpa_kernel", "_octopus_decode_kernel"]
     assert s["most_launched"] == {"_octopus_decode_kernel": 40, "sdpa_kernel": 10}
+    assert s["cuda_mallocs"] == 3 and s["cuda_frees"] == 2
+    # host time: CPU-side events only, most first, in ms
+    assert s["host_top_ms"] == {"cudaFree": 7.0, "cuLaunchKernelEx": 5.0, "cudaLaunchKernel": 3.0,
+                                "cudaStreamSynchronize": 0.9, "cudaMalloc": 0.0}
 
 
 def test_tiny_bench_runs_every_loop_and_codec_in_one_process(tmp_path, capsys):

@@ -237,7 +237,8 @@ def profile_summary(events) -> dict:
     kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
     count = {k: sum(e.count for e in events if e.key == k) for k in
              ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaStreamSynchronize",
-              "cudaDeviceSynchronize", "cudaEventSynchronize")}
+              "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMalloc", "cudaFree")}
+    host = [e for e in events if not str(getattr(e, "device_type", "")).endswith("CUDA")]
     top = sorted(kernels, key=device_time, reverse=True)[:5]
     launched = sorted(kernels, key=lambda e: e.count, reverse=True)[:8]
     return {
@@ -247,6 +248,11 @@ def profile_summary(events) -> dict:
         "host_syncs": count["cudaStreamSynchronize"] + count["cudaDeviceSynchronize"] + count["cudaEventSynchronize"],
         "top_kernels_ms": {e.key[:60]: round(device_time(e) / 1e3, 1) for e in top},
         "most_launched": {e.key[:60]: e.count for e in launched},  # which kernels a codec's extra launches are
+        # where the host's time went, when the wall is well above the GPU's kernel time: the ops with the most
+        # self CPU time, and the allocator's device mallocs and frees (a cudaFree waits for the device)
+        "host_top_ms": {e.key[:60]: round(e.self_cpu_time_total / 1e3, 1)
+                        for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]},
+        "cuda_mallocs": count["cudaMalloc"], "cuda_frees": count["cudaFree"],
     }
 
 
