@@ -4,17 +4,16 @@ more kernel (`finish`) rebuilds u_hat from the codes, takes the least-squares ga
 reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as some twenty torch ops (codecs with wide steps
 still do).
 
-One program walks `vectors` vectors (one by default) with their 2^L path costs each on chip, as a [vectors, 2^L]
-tile (launches of at most `vectors_a_launch` vectors reuse one back-pointer scratch). A step of
-k = K or K + 1 bits: the costs viewed as [2^K, 2^L / 2^K] are reduced over their first axis (min and argmin, the
-lowest index on ties, as torch's `min`); a wide step folds the two halves of that result once more, which is the same
-minimum over 2^(K+1) predecessors and keeps every shape constant. The back-pointers (k bits a state column and step)
-go to a per-program scratch in global memory and are read back by the same program after a barrier. Pass one runs
-on the steps rotated by half their number and backtracks to the first step's state; pass two is constrained to start
-and end with its overlap bits, and its backtrack writes the codes. The squared distances are computed as the
-reference does, (u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so the path costs, and with them
-the codes, are the reference's bit for bit wherever both see the same u.
-"""
+One program walks `vectors` vectors (`vectors_a_program`: 4 at L <= 8, else 1) with their 2^L path costs each on chip,
+as a [vectors, 2^L] tile (launches of at most `vectors_a_launch` vectors reuse one back-pointer scratch). A step of
+k = K or K + 1 bits: the costs viewed as [2^K, 2^L / 2^K] are reduced over their first axis (min and argmin, the lowest
+index on ties, as torch's `min`); a wide step folds the two halves of that result once more, which is the same minimum
+over 2^(K+1) predecessors and keeps every shape constant. The back-pointers (k bits a state column and step) go to a
+per-program scratch in global memory and are read back by the same program after a barrier. Pass one runs on the steps
+rotated by half their number and backtracks to the first step's state; pass two is constrained to start and end with
+its overlap bits, and its backtrack writes the codes. The squared distances are computed as the reference does,
+(u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so the path costs, and with them the codes, are the
+reference's bit for bit wherever both see the same u. """
 
 from __future__ import annotations
 
@@ -37,6 +36,14 @@ from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401  (supports: t
 SCRATCH_BYTES = 128 << 20
 PROGRAMS: int | None = None  # a fixed count of vectors a launch instead (tests)
 FINISH_TOKENS = 32  # vectors a program of the finishing kernel (a multiple of 8: whole bytes a block)
+
+
+def vectors_a_program(codec) -> int:
+    """The search's default vectors a program: 4 at L <= 8, where one vector's [2^L] path costs leave most of a
+    warp's registers idle (the H200 check of 2026-12-03: 1.34 ms against 1.78 ms an encode of one Wan head group at
+    2 bits, codes equal); 1 above, where 4 vectors a program were 2-3x slower (docs/perf.md, the TCQ launch
+    variants)."""
+    return 4 if codec.L <= 8 else 1
 
 
 def vectors_a_launch(codec) -> int:
@@ -158,19 +165,21 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                cbase, 0, 0, True, STEPS, K, L)
 
 
-def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
+def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
             programs: int | None = None) -> torch.Tensor:
     """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings
     (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
-    as an [vectors, 2^L] tile; `prefetch`: each step's inputs loaded one step ahead; `programs`: vectors a launch
-    (default `vectors_a_launch`), each with its own back-pointer scratch of steps x 2^(L-k) int16."""
+    as an [vectors, 2^L] tile (default `vectors_a_program`); `prefetch`: each step's inputs loaded one step
+    ahead; `programs`: vectors a launch (default `vectors_a_launch`), each with its own back-pointer scratch of
+    steps x 2^(L-k) int16."""
     return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs).to(
         torch.int64).view(*u.shape[:-1], codec.steps)
 
 
-def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
+def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
            programs: int | None = None) -> torch.Tensor:
     """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order."""
+    vectors = vectors_a_program(codec) if vectors is None else vectors
     if vectors < 1 or vectors & (vectors - 1):
         raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
     per = vectors_a_launch(codec) if programs is None else programs
@@ -261,7 +270,7 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
     return {"code": packed, "gain": gain}
 
 
-def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int = 1, prefetch: bool = False,
+def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
            programs: int | None = None, fused: bool = True) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
     `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them).

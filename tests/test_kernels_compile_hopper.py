@@ -51,6 +51,7 @@ def compiled(script: str, *args: str, cache=None):
 
 def test_tcq_encoder_variants_compile_for_sm90():
     cases = [  # the default L of 2 and 4 bits, a width with wide steps; 1 or 4 vectors a program; prefetch or not
+        ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 4, "PREFETCH": False}, 1),  # the 2-bit default
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 4, "PREFETCH": False}, 4),
         ({"STEPS": 64, "K": 8, "L": 11, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
