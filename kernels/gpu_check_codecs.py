@@ -47,7 +47,8 @@ VARIANTS = [{"warps": 2}, {"warps": 8}]
 # one wave each); one warp with 2 or 4 vectors: independent searches side by side in one warp, to hide each step's
 # latency (a step of the search is about 100 instructions a warp at L = 8, compiled for sm_90: docs/perf.md);
 # fused=False: the reference's torch code after the search in place of the finishing kernel.
-TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4}, {"vectors": 4, "warps": 4},
+TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4}, {"vectors": 8},
+                {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4},
                 {"vectors": 4, "warps": 8}, {"vectors": 16, "warps": 8}, {"prefetch": True}, {"programs": 4096},
                 {"prefetch": True, "programs": 65536}, {"vectors": 2, "prefetch": True, "programs": 65536},
                 {"fused": False}]

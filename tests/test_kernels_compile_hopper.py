@@ -57,6 +57,8 @@ def test_tcq_encoder_variants_compile_for_sm90():
         ({"STEPS": 64, "K": 8, "L": 11, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": True, "NV": 1, "PREFETCH": True}, 2),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 2, "PREFETCH": True}, 1),
+        ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 8, "PREFETCH": False}, 1),  # 168 registers, no spill
+        ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 8, "PREFETCH": False}, 2),
     ]
     sizes = compiled(SCRIPT, json.dumps(cases))
     assert len(sizes) == len(cases) and all(s > 1000 for s in sizes)  # a cubin for each

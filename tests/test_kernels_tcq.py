@@ -73,12 +73,13 @@ def test_viterbi_kernel_finds_the_reference_codes(preset, d, heads, t, dtype, ve
 
 
 def test_viterbi_over_several_launches(monkeypatch):
-    """20 vectors in launches of 8 (the back-pointer scratch reused), 4 vectors a program, the last launch partial."""
+    """20 vectors in launches of 8 (the back-pointer scratch reused), 1, 4 or 8 vectors a program, the last launch
+    partial."""
     codec, x = _setup("tcq:bits=2,hi=5,L=8", 16, 2, 5, torch.float32, seed=3)
     _, u = codec.unit_rotated(x.float())
     ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L)
     monkeypatch.setattr(K["tcq_encode"], "PROGRAMS", 8)
-    for vectors in (1, 4):
+    for vectors in (1, 4, 8):
         got = K["tcq_encode"].viterbi(codec, u, warps=1, vectors=vectors)
         assert torch.equal(got.reshape(-1, codec.steps), ref), vectors
     with pytest.raises(ValueError, match="power of two"):
