@@ -10,10 +10,10 @@ k = K or K + 1 bits: the costs viewed as [2^K, 2^L / 2^K] are reduced over their
 index on ties, as torch's `min`); a wide step folds the two halves of that result once more, which is the same minimum
 over 2^(K+1) predecessors and keeps every shape constant. The back-pointers (k bits a state column and step) go to a
 per-program scratch in global memory and are read back by the same program after a barrier. Pass one runs on the steps
-rotated by half their number and backtracks to the first step's state; pass two is constrained to start and end with
-its overlap bits, and its backtrack writes the codes. The squared distances are computed as the reference does,
-(u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so the path costs, and with them the codes, are the
-reference's bit for bit wherever both see the same u. """
+around the first (`mmkv.codecs.tcq.pass_one_window`: 32 of 64 at d = 128) and backtracks to the first step's state;
+pass two is constrained to start and end with its overlap bits, and its backtrack writes the codes. The squared
+distances are computed as the reference does, (u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so
+the path costs, and with them the codes, are the reference's bit for bit wherever both see the same u. """
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
+from mmkv.codecs.tcq import pass_one_window
 from mmkv.codecs.turboquant_mse import fp16_norm_message
 from mmkv.kernels.common import LAUNCH, device_tables, jit, rows_of, token_block
 from mmkv.kernels.packing import pack_block
@@ -70,9 +71,9 @@ def _step_costs(u_ptr, ubase, valid, src, tab0, tab1):
 
 @triton.jit
 def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, ROLL: tl.constexpr,
-                  CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-                  WIDE: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr):
-    """The path costs [NV, S] after every step (steps taken from (t - ROLL) mod STEPS), back-pointers stored.
+                  NSTEPS: tl.constexpr, CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr,
+                  L: tl.constexpr, WIDE: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr):
+    """The path costs [NV, S] after NSTEPS steps (step t taken from (t - ROLL) mod STEPS), back-pointers stored.
     PREFETCH: each step's input pair is loaded one step ahead, so that its load is not on the step's critical path
     (the same values, so the same costs)."""
     S: tl.constexpr = 1 << L
@@ -88,7 +89,7 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
         src1 = (1 + STEPS - ROLL) % STEPS
         n0 = tl.load(u_ptr + ubase + 2 * src1, mask=valid, other=0.0)
         n1 = tl.load(u_ptr + ubase + 2 * src1 + 1, mask=valid, other=0.0)
-    for t in range(1, STEPS):
+    for t in range(1, NSTEPS):
         src = (t + STEPS - ROLL) % STEPS
         if PREFETCH:  # this step's pair came a step ahead; the next step's load goes out now
             dist = _pair_costs(n0, n1, tab0, tab1)
@@ -115,13 +116,13 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
 
 
 @triton.jit
-def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl.constexpr, STOP,
-               WRITE: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr):
-    """Walk the back-pointers from the last step's `state` [NV] down to step STOP; returns the states there.
-    WRITE: store each step's code (its low k bits)."""
+def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl.constexpr, NSTEPS: tl.constexpr,
+               STOP, WRITE: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr):
+    """Walk the back-pointers from the last step's (NSTEPS - 1) `state` [NV] down to step STOP; returns the states
+    there. WRITE: store each step's code (its low k bits)."""
     M: tl.constexpr = (1 << L) >> K
-    for r in range(0, STEPS - STOP):
-        t = STEPS - 1 - r
+    for r in range(0, NSTEPS - STOP):
+        t = NSTEPS - 1 - r
         k = K + tl.load(wide_ptr + (t + STEPS - ROLL) % STEPS)
         if WRITE:
             tl.store(codes_ptr + cbase + t, state & ((1 << k) - 1), mask=valid)
@@ -134,10 +135,12 @@ def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl
 @jit
 def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                         STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr,
-                        NV: tl.constexpr, PREFETCH: tl.constexpr):
+                        NV: tl.constexpr, PREFETCH: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr):
+    """Tail-biting Viterbi (`mmkv.codecs.tcq.viterbi`) for NV vectors a program: pass one over PASS1 steps with the
+    first step at position ROLL1 (`pass_one_window`), its state there gives h; pass two over all STEPS, from and to
+    h."""
     S: tl.constexpr = 1 << L
     M: tl.constexpr = S >> K
-    HALF: tl.constexpr = STEPS // 2
     pid = tl.program_id(0)
     offs = tl.arange(0, S)
     tab0 = tl.load(table_ptr + 2 * offs)
@@ -150,19 +153,19 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
     low = (1 << (L - k0)) - 1
     ubase = vec.to(tl.int64) * (2 * STEPS)
     cbase = vec.to(tl.int64) * STEPS
-    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, HALF, False, STEPS, K, L,
+    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, ROLL1, PASS1, False, STEPS, K, L,
                          WIDE, NV, PREFETCH)
     tl.debug_barrier()
     state = _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase,
-                       codes_ptr, cbase, HALF, HALF, False, STEPS, K, L)
+                       codes_ptr, cbase, ROLL1, PASS1, ROLL1, False, STEPS, K, L)
     h = state >> k0
     tl.debug_barrier()
-    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, True, STEPS, K, L,
+    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, STEPS, True, STEPS, K, L,
                          WIDE, NV, PREFETCH)
     cost = tl.where((offs[None, :] & low) == h[:, None], cost, float("inf"))
     tl.debug_barrier()
     _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase, codes_ptr,
-               cbase, 0, 0, True, STEPS, K, L)
+               cbase, 0, STEPS, 0, True, STEPS, K, L)
 
 
 def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
@@ -192,13 +195,14 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         tab = device_tables(codec, u.device, "tcq-encode", lambda: {
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
         per_launch = min(n, per)
+        roll, length = pass_one_window(codec.steps)
         back = torch.empty(triton.cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
                            dtype=torch.int16, device=u.device)
         for first in range(0, n, per):  # the back-pointer scratch reused per launch
             _tcq_viterbi_kernel[(triton.cdiv(min(per, n - first), vectors),)](
                 flat, tab["table"], tab["wide"], back, codes, first, min(n, first + per),
                 STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, PREFETCH=bool(prefetch),
-                num_warps=warps, **LAUNCH,
+                ROLL1=roll, PASS1=length, num_warps=warps, **LAUNCH,
             )
     return codes
 

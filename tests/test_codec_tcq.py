@@ -9,7 +9,8 @@ import torch
 
 from mmkv.codecs import CodecConfig, CodecError, build, codebooks
 from mmkv.codecs.tcq import (
-    SHIPPED, _trellis_pass, hi_steps, states_from_codes, step_widths, tcq_table, trellis_table, viterbi,
+    SHIPPED, _trellis_pass, hi_steps, pass_one_window, states_from_codes, step_widths, tcq_table, trellis_table,
+    viterbi,
 )
 
 
@@ -69,6 +70,27 @@ def test_two_passes_come_close_to_the_best_overlap_bits():
         best = torch.minimum(best, cost[:, ends].min(-1).values)
     assert bool((ours >= best - 1e-4).all())
     assert float(ours.mean()) <= 1.01 * float(best.mean())
+
+
+def test_pass_one_sees_the_steps_around_the_first():
+    assert pass_one_window(64) == (16, 32) and pass_one_window(64, None) == (32, 64)  # None: QTIP's, all steps
+    assert pass_one_window(32) == (16, 32) and pass_one_window(3) == (1, 3) and pass_one_window(64, 8) == (8, 16)
+    with pytest.raises(ValueError, match="window"):
+        pass_one_window(64, 0)
+
+
+@pytest.mark.parametrize("L, k, limit", [(8, 4, 1.003), (9, 6, 1.001)])
+def test_a_windowed_pass_one_costs_next_to_nothing(L, k, limit):
+    """Pass one over the 32 steps around the first instead of all 64: the tail-biting paths' error grows by a
+    fraction of a percent (measured on 2,048 Gaussian vectors: 0.05% at L = 8, under 0.005% at L = 9); its codes
+    differ from QTIP's pass one's only through h."""
+    widths = [k] * 64
+    table = trellis_table(L, k)
+    u = gaussian(512, 64, 2, seed=9)
+    ours = path_error(u, table, viterbi(u, table, widths, L), widths, L)
+    full = path_error(u, table, viterbi(u, table, widths, L, window=None), widths, L)
+    assert float(ours.mean()) <= limit * float(full.mean())
+    assert float(ours.mean()) >= 0.99 * float(full.mean())
 
 
 @pytest.mark.parametrize("steps, k, hi, L", [(8, 3, 3, 7), (64, 4, 0, 8), (64, 4, 21, 11), (64, 10, 5, 16),

@@ -27,9 +27,10 @@ SCRIPT = textwrap.dedent("""
 
     sig = {"u_ptr": "*fp32", "table_ptr": "*fp32", "wide_ptr": "*i32", "bp_ptr": "*i16", "codes_ptr": "*i32",
            "first": "i32", "n": "i32", "STEPS": "constexpr", "K": "constexpr", "L": "constexpr", "WIDE": "constexpr",
-           "NV": "constexpr", "PREFETCH": "constexpr"}
+           "NV": "constexpr", "PREFETCH": "constexpr", "ROLL1": "constexpr", "PASS1": "constexpr"}
     out = []
     for consts, warps in json.loads(sys.argv[1]):
+        consts = {**consts, "ROLL1": 16, "PASS1": 32}  # pass one's window at 64 steps (mmkv.codecs.tcq.pass_one_window)
         src = ASTSource(fn=tcq_encode._tcq_viterbi_kernel, signature=sig, constexprs=consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         out.append(len(k.asm["cubin"]))

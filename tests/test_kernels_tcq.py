@@ -45,6 +45,8 @@ CASES = [
     ("tcq:bits=2,hi=3,L=8", 16, 0, 7, torch.bfloat16),
     ("tcq:bits=3,hi=8", 32, 2, 3, torch.float16),
     ("tcq:bits=4,norm=32", 16, 2, 3, torch.float32),
+    ("tcq:bits=2", 128, 1, 3, torch.bfloat16),  # 64 steps: pass one sees the 32 around the first (pass_one_window)
+    ("tcq:bits=3,hi=20", 128, 0, 2, torch.float32),
 ]
 
 
