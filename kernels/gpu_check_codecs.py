@@ -46,12 +46,12 @@ VARIANTS = [{"warps": 2}, {"warps": 8}]
 # back-pointer scratch hold, one launch for the video shape; 4096, the earlier default, takes 14 launches of about
 # one wave each); one warp with 2 or 4 vectors: independent searches side by side in one warp, to hide each step's
 # latency (a step of the search is about 100 instructions a warp at L = 8, compiled for sm_90: docs/perf.md);
-# fused=False: the reference's torch code after the search in place of the finishing kernel.
-TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4}, {"vectors": 8},
-                {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4},
-                {"vectors": 4, "warps": 8}, {"vectors": 16, "warps": 8}, {"prefetch": True}, {"programs": 4096},
+# fused=False: the reference's torch code after the search in place of the finishing kernel; window=None: pass one
+# over all steps as QTIP's (the codes before 2026-12-03: the only variant whose codes may differ).
+TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4},
+                {"vectors": 8}, {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4}, {"vectors": 4, "warps": 8}, {"vectors": 16, "warps": 8}, {"prefetch": True}, {"programs": 4096},
                 {"prefetch": True, "programs": 65536}, {"vectors": 2, "prefetch": True, "programs": 65536},
-                {"fused": False}]
+                {"fused": False}, {"window": None}]
 
 
 def reference_encode(codec, x):
@@ -155,6 +155,7 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
 
         _, u = codec.unit_rotated(x.float())
         row["viterbi_ms"] = bench(lambda: tcq_encode.viterbi(codec, u))
+        row["viterbi_full_pass_one_ms"] = bench(lambda: tcq_encode.viterbi(codec, u, window=None))  # QTIP's pass one
     row["bytes_in"] = x.numel() * 2
     row["stored_bytes"] = enc.nbytes
     row["encode_GBs"] = row["bytes_in"] / row["encode_ms"] / 1e6
@@ -165,7 +166,7 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
             ms = bench(lambda: enc_fn(codec, x, **v))
             name = ",".join(f"{k}={val}" for k, val in v.items())
             row["variants"][name] = {"encode_ms": ms, "encode_GBs": row["bytes_in"] / ms / 1e6}
-            if codec.name == "tcq":  # a launch setting must not change the codes
+            if codec.name == "tcq":  # a launch setting must not change the codes (pass one's window may)
                 row["variants"][name]["codes_equal"] = bool(torch.equal(
                     enc_fn(codec, x, **v).tensors["code"], enc.tensors["code"]))
     if preset in FULL_REFERENCE or shape_name == "video":

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
-from mmkv.codecs.tcq import pass_one_window
+from mmkv.codecs.tcq import PASS_ONE_WINDOW, pass_one_window
 from mmkv.codecs.turboquant_mse import fp16_norm_message
 from mmkv.kernels.common import LAUNCH, device_tables, jit, rows_of, token_block
 from mmkv.kernels.packing import pack_block
@@ -169,18 +169,18 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
 
 
 def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
-            programs: int | None = None) -> torch.Tensor:
+            programs: int | None = None, window: int | None = PASS_ONE_WINDOW) -> torch.Tensor:
     """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings
     (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
     as an [vectors, 2^L] tile (default `vectors_a_program`); `prefetch`: each step's inputs loaded one step
     ahead; `programs`: vectors a launch (default `vectors_a_launch`), each with its own back-pointer scratch of
-    steps x 2^(L-k) int16."""
-    return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs).to(
+    steps x 2^(L-k) int16. `window`: pass one's steps either side of the first, as the reference's (None: all)."""
+    return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window).to(
         torch.int64).view(*u.shape[:-1], codec.steps)
 
 
 def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
-           programs: int | None = None) -> torch.Tensor:
+           programs: int | None = None, window: int | None = PASS_ONE_WINDOW) -> torch.Tensor:
     """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order."""
     vectors = vectors_a_program(codec) if vectors is None else vectors
     if vectors < 1 or vectors & (vectors - 1):
@@ -195,7 +195,7 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         tab = device_tables(codec, u.device, "tcq-encode", lambda: {
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
         per_launch = min(n, per)
-        roll, length = pass_one_window(codec.steps)
+        roll, length = pass_one_window(codec.steps, window)
         back = torch.empty(triton.cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
                            dtype=torch.int16, device=u.device)
         for first in range(0, n, per):  # the back-pointer scratch reused per launch
@@ -275,16 +275,17 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = False,
-           programs: int | None = None, fused: bool = True) -> Encoded:
+           programs: int | None = None, fused: bool = True, window: int | None = PASS_ONE_WINDOW) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
-    `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them).
+    `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them);
+    `window` is pass one's (the codes do: `mmkv.codecs.tcq.viterbi`, whose default the codec's encodings use).
     `fused` (codecs without wide steps): the states, gain and packing after the search in one kernel (`finish`);
     otherwise the reference's torch code, whose gains are the reference's bit for bit."""
     r, u = unit_rotated(codec, x.float())
     if fused and not codec.hi:
-        codes = search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs)
+        codes = search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window)
         return Encoded(str(codec.config), tuple(x.shape), x.dtype, finish(codec, codes, r))
-    codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs)
+    codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, codec._pack(codes, gain))

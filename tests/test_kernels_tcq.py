@@ -74,6 +74,15 @@ def test_viterbi_kernel_finds_the_reference_codes(preset, d, heads, t, dtype, ve
     assert torch.equal(got.reshape(-1, codec.steps), ref)
 
 
+def test_viterbi_kernel_with_qtips_pass_one():
+    """`window=None` (pass one over all 64 steps, as QTIP's and as before 2026-12-03) is the reference's too."""
+    codec, x = _setup("tcq:bits=2", 128, 1, 3, torch.float32, seed=4)
+    _, u = codec.unit_rotated(x.float())
+    ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L, window=None)
+    got = K["tcq_encode"].viterbi(codec, u, warps=1, window=None)
+    assert torch.equal(got.reshape(-1, codec.steps), ref)
+
+
 def test_viterbi_over_several_launches(monkeypatch):
     """20 vectors in launches of 8 (the back-pointer scratch reused), 1, 4 or 8 vectors a program, the last launch
     partial."""
