@@ -194,6 +194,26 @@ def test_only_commits_encode_and_the_window_holds_residual_window_frames(dit, co
 # RoPE offset, cross-attention cache, bad input
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_is_the_pairwise_form_bit_for_bit(dit, dtype):
+    """`apply_rope`'s x * cos + swap(x) * sin_signed is x1 c - x2 s, x1 s + x2 c in float64 to the last bit."""
+    from mmkv.pipelines.wan.model import apply_rope
+
+    tables = dit.transformer.rope(torch.zeros(1, 16, 3, LAT_H, LAT_W))
+    cos, sin = tables
+    assert torch.equal(tables.sin_signed[..., 1::2], sin[..., 1::2])
+    assert torch.equal(tables.sin_signed[..., 0::2], -sin[..., 0::2])
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, cos.shape[1], 2, cos.shape[-1], generator=g) * 3).to(dtype)
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    want = torch.empty_like(x)
+    want[..., 0::2] = x1 * c - x2 * s
+    want[..., 1::2] = x1 * s + x2 * c
+    got = apply_rope(x, cos, tables.sin_signed)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_offset_rope_starts_at_the_block_frame(dit):
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 

@@ -113,15 +113,18 @@ class OffsetRoPE(nn.Module):
                                            freqs_dtype=torch.float64)
             cos.append(c)
             sin.append(s)
-        # Plain attributes (not buffers): model.to(bfloat16) must not round the tables.
+        # Plain attributes (not buffers): model.to(bfloat16) must not round the tables. Each frequency sits in two
+        # lanes (2i, 2i + 1); `apply_rope` takes sin with its even lanes negated (exact), made here once.
         self._cos = [c.double() for c in cos]
         self._sin = [s.double() for s in sin]
-        self._device_tables: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._sin_signed = [s.double() * _even_lanes_negated(s.shape[-1]) for s in sin]
+        self._device_tables: dict[torch.device, tuple[list[torch.Tensor], ...]] = {}
         self._device_positions: dict[tuple, torch.Tensor] = {}
 
     def _tables(self, device: torch.device):
         if device not in self._device_tables:
-            self._device_tables[device] = ([c.to(device) for c in self._cos], [s.to(device) for s in self._sin])
+            self._device_tables[device] = tuple([t.to(device) for t in tables]
+                                                for tables in (self._cos, self._sin, self._sin_signed))
         return self._device_tables[device]
 
     def _positions(self, pos: torch.Tensor, ppf: int, device: torch.device) -> torch.Tensor:
@@ -138,7 +141,7 @@ class OffsetRoPE(nn.Module):
             self._device_positions[key] = pos.to(device)
         return self._device_positions[key]
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor) -> "RopeTables":
         _, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.patch_size
         ppf, pph, ppw = frames // p_t, height // p_h, width // p_w
@@ -148,7 +151,7 @@ class OffsetRoPE(nn.Module):
                 f"RoPE positions out of range: frames [{s}, {s + ppf}) and a {pph}x{ppw} token grid, but the table "
                 f"has {self.max_seq_len} positions (rope_max_seq_len)"
             )
-        cos, sin = self._tables(hidden_states.device)
+        cos, sin, sin_signed = self._tables(hidden_states.device)
         pos = self.state.frame_positions
         if pos is not None:
             pos = self._positions(pos, ppf, hidden_states.device)
@@ -160,17 +163,36 @@ class OffsetRoPE(nn.Module):
             w = tables[2][:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1)
             return torch.cat([t, h, w], dim=-1).reshape(1, ppf * pph * ppw, 1, -1)
 
-        return grid(cos), grid(sin)
+        return RopeTables(grid(cos), grid(sin), grid(sin_signed))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (2i, 2i+1) of x [B, L, H, D] by the float64 tables [1, L, 1, D]; cast back to x's dtype."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * c - x2 * s
-    out[..., 1::2] = x1 * s + x2 * c
-    return out
+def _even_lanes_negated(d: int) -> torch.Tensor:
+    """[-1, 1, -1, 1, ...] (d lanes, float64)."""
+    return torch.tensor([-1.0, 1.0], dtype=torch.float64).repeat(d // 2)
+
+
+class RopeTables(tuple):
+    """(cos, sin) [1, L, 1, D] float64, as diffusers' `WanRotaryPosEmbed` returns them (frequency i in lanes 2i and
+    2i + 1), with `sin_signed`, sin whose even lanes are negated, for `apply_rope`."""
+
+    sin_signed: torch.Tensor
+
+    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor, sin_signed: torch.Tensor):
+        tables = super().__new__(cls, (cos, sin))
+        tables.sin_signed = sin_signed
+        return tables
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1, x2) = (x[2i], x[2i+1]) of x [B, L, H, D] by the float64 tables [1, L, 1, D] (`RopeTables`:
+    cos, and sin with its even lanes negated): x1 c - x2 s and x1 s + x2 c in float64 (as the original's complex
+    product in float64, CausVid causal_model.py `causal_rope_apply`), cast back to x's dtype.
+
+    Computed as x * cos + swap(x) * sin_signed, swap exchanging each pair: lane 2i is x1 c + x2 (-s), lane 2i+1 is
+    x2 c + x1 s, each product and sum rounded once in float64, so bit for bit the pairwise form x1 c - x2 s,
+    x1 s + x2 c (negation is exact and IEEE addition commutes) in 5 ops where that form takes 9."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * cos + swapped * sin_signed).to(x.dtype)
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +222,8 @@ class CausalSelfAttnProcessor:
         v = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         k_pre_rope = k
         if rotary_emb is not None:
-            q = apply_rope(q, *rotary_emb)
-            k = apply_rope(k, *rotary_emb)
+            q = apply_rope(q, rotary_emb[0], rotary_emb.sin_signed)
+            k = apply_rope(k, rotary_emb[0], rotary_emb.sin_signed)
         # [B, L, H, D] -> [B, H, L, D]: the store's layout. K is post-RoPE, V raw (CausVid causal_model.py:96-102).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         observer = getattr(attn, "mmkv_observer", None)  # set by `mmkv.inspect.KVObserver.attach`; reads only
