@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, jit, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qvg_encode import block_tokens, supports  # noqa: F401  (same parameter range)
 
@@ -28,7 +28,7 @@ def e4m3_value(b):
 @jit
 def _decode_kernel(
     codes_ptr, scale_ptr, zero_ptr, ids_ptr, c_ptr, out_ptr,
-    N, K, P, row_bytes, ORS,
+    N, K, P, row_bytes, N1, N2, S0, S1, S2,
     D: tl.constexpr, BT: tl.constexpr, BLK: tl.constexpr, BITS: tl.constexpr, ASYM: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -53,7 +53,8 @@ def _decode_kernel(
         ids = tl.load(ids_ptr + (st * P + p) * N + tok, mask=tmask, other=0).to(tl.int64)
         c = tl.load(c_ptr + (st * P + p) * K * D + ids[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
         acc = acc + c.to(tl.float32)
-    tl.store(out_ptr + p * ORS + tok[:, None] * D + jj[None, :], cast_to(acc, out_ptr.dtype.element_ty),
+    tl.store(out_ptr + out_row(p, N1, N2, S0, S1, S2) + tok[:, None] * D + jj[None, :],
+             cast_to(acc, out_ptr.dtype.element_ty),
              mask=tmask[:, None])
 
 
@@ -65,7 +66,7 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
     kernel_dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     if out is not None and kernel_dtype != dtype:
         return out.copy_(decode(codec, enc, dtype))
-    out, ors = decode_out(tuple(enc.shape), kernel_dtype, dev, out)
+    out, rows_at = decode_out_rows(tuple(enc.shape), kernel_dtype, dev, out)  # a stack: straight into token order
     p = out.numel() // max(n * d, 1)
     if out.numel():
         stages = codec.stages
@@ -76,7 +77,7 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
         bt = block_tokens(d)
         _decode_kernel[(triton.cdiv(n, bt), p)](
             t["codes"].contiguous(), scales, zeros, ids, cents, out,
-            n, codec.centroids, p, t["codes"].shape[-1], ors,
+            n, codec.centroids, p, t["codes"].shape[-1], *rows_at,
             D=d, BT=bt, BLK=codec.block, BITS=codec.bits, ASYM=codec.asymmetric, STAGES=stages,
             num_warps=4, **LAUNCH,
         )

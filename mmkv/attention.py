@@ -95,13 +95,13 @@ class Segment:
         if self.stack == 1:
             return [self]
 
-        def pick(enc: Encoded, i: int) -> Encoded:
-            tensors = {name: t.select(1, i).contiguous() for name, t in enc.tensors.items()}
+        def pick(enc: Encoded, codec: Codec, i: int) -> Encoded:
+            tensors = {name: t.select(codec.stack_axes.get(name, 1), i).contiguous() for name, t in enc.tensors.items()}
             shape = (enc.shape[0], *enc.shape[2:])
             return Encoded(enc.codec, shape, enc.dtype, tensors, dict(enc.meta))
 
-        return [Segment(k_enc=pick(self.k_enc, i), v_enc=pick(self.v_enc, i), k_codec=self.k_codec,
-                        v_codec=self.v_codec) for i in range(self.stack)]
+        return [Segment(k_enc=pick(self.k_enc, self.k_codec, i), v_enc=pick(self.v_enc, self.v_codec, i),
+                        k_codec=self.k_codec, v_codec=self.v_codec) for i in range(self.stack)]
 
     def decode(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the visible tokens in `dtype` (native segments are returned as stored when the dtype matches)."""

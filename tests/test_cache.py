@@ -668,6 +668,36 @@ def test_stacked_units_decode_in_one_call_per_tensor(monkeypatch):
     assert torch.equal(stacked.decode(k.dtype)[1], v[..., : 5 * UNIT, :])
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_qvg_commit_spans_stack_after_the_shorter_first(merge, monkeypatch):
+    """QVG encodes each commit's leaving units as one span with its own centres; spans of equal length stack
+    (`stack_units`), so attention decodes the encoded past in two calls per tensor (the first span, one unit
+    shorter than the rest because of the residual window, and the stack) where it took one a span. The gathered
+    past and the stored bytes equal those without merging, bit for bit."""
+    gen = torch.Generator().manual_seed(31)
+    blocks = [(rand(gen, 3 * UNIT), rand(gen, 3 * UNIT)) for _ in range(5)]
+
+    def run(merge_units: bool):
+        store = KVStore(CacheConfig(codec="qvg:bits=2,centroids=4,block=16", residual_window=1,
+                                    merge_units=merge_units), num_layers=1, num_heads=H, head_dim=D)
+        for k, v in blocks:
+            store.append(0, k, v, num_units=3)
+            store.past(0)  # attention reads the layer after each commit, as a rollout does
+        return store
+
+    store = run(merge)
+    calls = []
+    for codec in (store.k_codec(0), store.v_codec(0)):
+        real = codec.decode
+        monkeypatch.setattr(codec, "decode", lambda enc, *a, _r=real, **kw: calls.append(enc.shape) or _r(enc, *a, **kw))
+    k, v = store.past(0)
+    spans = [s.stack for s in store.segments(0) if s.encoded]
+    assert spans == ([1, 4] if merge else [1] * 5) and len(calls) == 2 * len(spans)
+    plain = run(False)
+    assert all(torch.equal(a, b) for a, b in zip((k, v), plain.past(0)))
+    assert store.nbytes() == plain.nbytes() == sum(s.nbytes for s in store._layers[0].segs)
+
+
 def test_rolling_window_never_merges():
     store = store_for("octopus:b=2", residual_window=1, attention_window=6)
     gen = torch.Generator().manual_seed(19)

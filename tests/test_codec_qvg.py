@@ -507,6 +507,31 @@ def test_kernels_encode_and_decode_match_reference(dtype, preset):
     assert torch.equal(buf[..., 5:, :], codec._decode(ref).to(dtype)) and not buf[..., :5, :].any()
 
 
+@pytest.mark.parametrize("preset, batch", [("qvg:bits=2,centroids=8,block=16", 2), ("qvg:bits=4,block=16,stages=2", 1)])
+def test_stacked_spans_decode_straight_into_token_order(preset, batch):
+    """Commit spans of equal length stack as rows (`stack_units` with `stack_axes`: the per-stage ids and centres on
+    their axis 2), and the decode kernel writes the stack [B, n, H, T, D] into the token-ordered gather slice
+    [B, H, n * T, D] (the view `mmkv.attention.gather` passes): bit for bit each span's reference decode, and nothing
+    outside the slice."""
+    from mmkv.codecs.base import stack_units
+
+    k = _kernels()
+    codec = build(preset, head_dim=32, num_heads=2, seed=3)
+    assert codec.stackable and codec.stack_axes == {"ids": 2, "centroids": 2}
+    g = torch.Generator().manual_seed(12)
+    parts = [codec.encode(torch.randn(batch, 2, 20, 32, generator=g).to(torch.bfloat16)) for _ in range(3)]
+    stacked = stack_units(parts, codec.stack_axes)
+    assert stacked.shape == (batch, 3, 2, 20, 32) and stacked.nbytes == sum(p.nbytes for p in parts)
+    want = torch.cat([codec._decode(p).to(torch.bfloat16) for p in parts], dim=2)
+    assert torch.equal(codec._decode(stacked).to(torch.bfloat16).transpose(1, 2).reshape(batch, 2, 60, 32), want)
+    buf = torch.full((batch, 2, 5 + 60 + 4, 32), 7.0, dtype=torch.bfloat16)
+    dst = buf[..., 5:65, :]
+    got = k["qvg_decode"].decode(codec, stacked, torch.bfloat16, out=dst.view(batch, 2, 3, 20, 32).transpose(1, 2))
+    assert got.data_ptr() == dst.data_ptr()
+    assert torch.equal(dst, want)
+    assert (buf[..., :5, :] == 7).all() and (buf[..., 65:, :] == 7).all()
+
+
 def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
     k = _kernels()
     pts = kv_like((2, 70, 64), seed=10, dtype=torch.float32)

@@ -218,7 +218,8 @@ def test_token_local_codecs_concatenate_exactly(preset):
     assert torch.equal(codec.decode(joined), whole)
 
 
-@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=16", "kivi:bits=4,group=16,role=v"])
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=16", "kivi:bits=4,group=16,role=v",
+                                    "qvg:bits=2,centroids=8,block=16", "qvg:bits=4,centroids=4,block=16,stages=2"])
 def test_stackable_codecs_decode_a_stack_like_each_unit(preset):
     """`stack_units` puts equal units' encodings on a new axis after the batch axis without changing a byte; a
     stackable codec decodes the stack as each unit alone (ragged token groups included); unequal units refuse."""
@@ -228,13 +229,13 @@ def test_stackable_codecs_decode_a_stack_like_each_unit(preset):
     assert codec.stackable and not codec.token_local or preset.endswith("role=v")
     xs = [_x((2, 3, 20, 32), 7 + i, torch.bfloat16) for i in range(3)]  # 20 tokens: a ragged group of 16
     parts = [codec.encode(x) for x in xs]
-    two = stack_units(parts[:2])
-    three = stack_units([two, parts[2]])  # a stack grows by later units
+    two = stack_units(parts[:2], codec.stack_axes)
+    three = stack_units([two, parts[2]], codec.stack_axes)  # a stack grows by later units
     assert three.shape == (2, 3, 3, 20, 32) and three.nbytes == sum(p.nbytes for p in parts)
     dec = codec.decode(three)
     for i, p in enumerate(parts):
         assert torch.equal(dec[:, i], codec.decode(p))
-    assert stack_units([parts[0], codec.encode(_x((2, 3, 24, 32), 9, torch.bfloat16))]) is None
+    assert stack_units([parts[0], codec.encode(_x((2, 3, 24, 32), 9, torch.bfloat16))], codec.stack_axes) is None
     assert stack_units(parts[:1]) is None
 
 

@@ -475,7 +475,8 @@ def test_device_tables_are_shared_by_equal_content():
     assert to_device_shared(b, meta, "test") is first
 
 
-@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=2,group=16", "oscar:bits=2,group=16,role=v"])
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=2,group=16", "oscar:bits=2,group=16,role=v",
+                                    "qvg:bits=2,centroids=8,block=16"])
 def test_decode_kernels_take_stacked_units(kernels_on_cpu, preset):
     """A stack of units ([B, n, H, T, D], `stack_units`) is more rows to the decode kernels: equal to the reference
     decode of each unit (OScaR's per-token key norm is indexed across the stack's extra axis)."""
@@ -485,7 +486,7 @@ def test_decode_kernels_take_stacked_units(kernels_on_cpu, preset):
     g = torch.Generator().manual_seed(10)
     xs = [torch.randn(1, 2, 20, 32, generator=g).to(torch.bfloat16) for _ in range(3)]
     parts = [codec.encode(x) for x in xs]
-    stacked = stack_units(parts)
+    stacked = stack_units(parts, codec.stack_axes)
     got = codec.decode(stacked, dtype=torch.float32)
     for i, p in enumerate(parts):
         want = codec._decode(p)
@@ -503,7 +504,7 @@ def test_stacked_units_decode_straight_into_token_order(preset, batch):
     codec = build(preset, head_dim=32, num_heads=2, seed=3)
     g = torch.Generator().manual_seed(12)
     parts = [codec.encode(torch.randn(batch, 2, 20, 32, generator=g).to(torch.bfloat16)) for _ in range(3)]
-    stacked = stack_units(parts)
+    stacked = stack_units(parts, codec.stack_axes)
     fn = kernel(codec, "decode")
     want = fn(codec, stacked, torch.bfloat16).transpose(1, 2).reshape(batch, 2, 60, 32)
     buf = torch.full((batch, 2, 5 + 60 + 4, 32), 7.0, dtype=torch.bfloat16)
@@ -529,10 +530,11 @@ def test_decode_out_rows_names_layouts_it_cannot_write():
         decode_out_rows((3, 5, 8), torch.float32, "cpu", torch.empty(3, 8, 5).transpose(-1, -2))
 
 
-@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=4,group=16"])
-def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, monkeypatch):
-    """A KVStore's stacked KIVI / OScaR past, gathered on the decode kernels (straight into token order), equals the
-    torch reference's gather bit for bit."""
+@pytest.mark.parametrize("preset, stacks", [("kivi:bits=2,group=16", [5]), ("oscar:bits=4,group=16", [5]),
+                                            ("qvg:bits=2,centroids=8,block=16", [1, 2])])
+def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, stacks, monkeypatch):
+    """A KVStore's stacked KIVI / OScaR past (units) or QVG past (commit spans of 2 units after a first span of 1),
+    gathered on the decode kernels (straight into token order), equals the torch reference's gather bit for bit."""
     from mmkv.cache import CacheConfig, KVStore
 
     def past(on_kernels: bool):
@@ -545,7 +547,7 @@ def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, 
         for _ in range(3):
             k, v = (torch.randn(1, 2, 2 * 16, 32, generator=g).to(torch.bfloat16) for _ in range(2))
             store.append(0, k, v, num_units=2)
-        assert store.segments(0)[0].stack == 5
+        assert [s.stack for s in store.segments(0) if s.encoded] == stacks
         return store.past(0)
 
     want = past(False)

@@ -103,9 +103,10 @@ def group_units(leaving: list[int], *, runs: bool, sink_units: int, span_units: 
 
 def join_encoded(segs: list[Seg], kc: Codec, vc: Codec, *, merge: bool) -> Seg | None:
     """The layer's consecutive encoded segments as one, holding the same bytes: joined along the token axis for
-    token-local codecs (`merge`, `concat_tokens`), else stacked unit by unit on a new axis (`stack_units`). None when
-    they cannot be joined exactly (segments not adjacent, partly evicted, a packed row that does not end on a byte,
-    a segment of several units in a stack)."""
+    token-local codecs (`merge`, `concat_tokens`), else stacked segment by segment on a new axis (`stack_units`: one
+    unit each, or a span codec's commit spans of equal length). None when they cannot be joined exactly (segments
+    not adjacent, partly evicted, a packed row that does not end on a byte, segments of unequal length in a
+    stack)."""
     if any(a.end_unit != b.first_unit or a.skip_units or b.skip_units for a, b in zip(segs, segs[1:])):
         return None
     stack = 1
@@ -113,11 +114,11 @@ def join_encoded(segs: list[Seg], kc: Codec, vc: Codec, *, merge: bool) -> Seg |
         k_enc = concat_tokens(kc, [s.k_enc for s in segs])
         v_enc = concat_tokens(vc, [s.v_enc for s in segs]) if k_enc is not None else None
     else:
-        k_enc = stack_units([s.k_enc for s in segs])
-        v_enc = stack_units([s.v_enc for s in segs]) if k_enc is not None else None
+        k_enc = stack_units([s.k_enc for s in segs], kc.stack_axes)
+        v_enc = stack_units([s.v_enc for s in segs], vc.stack_axes) if k_enc is not None else None
         stack = 0 if v_enc is None else k_enc.shape[1]
-        if v_enc is not None and (v_enc.shape[1] != stack or stack != sum(len(s.unit_tokens) for s in segs)):
-            v_enc = None  # a segment of several units (not one unit each) cannot be a stack entry
+        if v_enc is not None and (v_enc.shape[1] != stack or stack != sum(s.stack for s in segs)):
+            v_enc = None  # every segment must be one stack entry (or a stack of them)
     if v_enc is None:
         return None
     return Seg(segs[0].first_unit, tuple(t for s in segs for t in s.unit_tokens), k_enc=k_enc, v_enc=v_enc,

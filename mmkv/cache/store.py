@@ -60,10 +60,11 @@ class KVStore:
         # Not for score-estimator keys on their own path (attention != "decode"): `scores_lse` unpacks a whole
         # segment once per query chunk, so one long segment would cost quadratically in the past.
         scored = config.attention != "decode" and any(c.has_scores for c in codecs)
-        joinable = config.merge_units and config.attention_window is None and not self.span and bool(codecs)
-        self.merge = joinable and all(c.token_local for c in codecs) and not scored
-        # Codecs that group over tokens (KIVI / OScaR keys) encode unit by unit; with every codec stackable, attention
-        # stacks a layer's equal encoded units instead and decodes them in one call per K and V.
+        joinable = config.merge_units and config.attention_window is None and bool(codecs)
+        self.merge = joinable and not self.span and all(c.token_local for c in codecs) and not scored
+        # Codecs that group over tokens (KIVI / OScaR keys) encode unit by unit, span codecs (QVG) commit span by
+        # commit span; with every codec stackable, attention stacks a layer's equal encoded units or spans instead
+        # and decodes them in one call per K and V.
         self.stack = joinable and not self.merge and all(c.stackable or c.token_local for c in codecs) and not scored
         if self.span_units is not None and (not is_int(self.span_units) or self.span_units < 1):
             raise KVCacheError(f"KVStore: codec span_units must be a positive int, got {self.span_units!r}")
@@ -307,7 +308,8 @@ class KVStore:
 
     def _consolidate(self, layer: int, st: LayerState) -> None:
         """Under `merge_units`, join the layer's encoded segments into one (`join_encoded`: the same bytes, so the
-        same decode), so that attention decodes the whole encoded past in one call per K and V. Done when attention
+        same decode), so that attention decodes the whole encoded past in one call per K and V; a stack joins each
+        run of equal-length segments (QVG's commit spans after its shorter first one). Done when attention
         first reads a layer after new segments arrived (once per layer and block); not under `reuse_decoded` (its
         decodes are kept per segment). While the tensors are copied the old ones still exist: that transient is
         counted in `scratch_peak_nbytes`."""
@@ -316,16 +318,27 @@ class KVStore:
         idx = [i for i, s in enumerate(st.segs) if s.encoded]
         if len(idx) < 2 or idx != list(range(idx[0], idx[-1] + 1)):
             return
-        segs = [st.segs[i] for i in idx]
-        joined = join_encoded(segs, self._k_codecs[layer], self._v_codecs[layer], merge=self.merge)
-        if joined is None:
-            return
-        old = sum(s.nbytes for s in segs)
-        if joined.nbytes != old:  # only exact layouts are joined; anything else is a bug
-            raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes "
-                               f"({old} -> {joined.nbytes})")
-        self._scratch_peak = max(self._scratch_peak, old)
-        st.segs[idx[0] : idx[-1] + 1] = [joined]
+        if self.merge:
+            runs = [idx]
+        else:  # a stack takes equal lengths: QVG's first commit span is shorter than the rest (the residual window)
+            runs = []
+            for i in idx:
+                tokens = st.segs[i].k_enc.shape[-2]
+                if runs and st.segs[runs[-1][-1]].k_enc.shape[-2] == tokens:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+        for run in reversed([r for r in runs if len(r) > 1]):  # from the end, so that earlier indices hold
+            segs = [st.segs[i] for i in run]
+            joined = join_encoded(segs, self._k_codecs[layer], self._v_codecs[layer], merge=self.merge)
+            if joined is None:
+                continue
+            old = sum(s.nbytes for s in segs)
+            if joined.nbytes != old:  # only exact layouts are joined; anything else is a bug
+                raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes "
+                                   f"({old} -> {joined.nbytes})")
+            self._scratch_peak = max(self._scratch_peak, old)
+            st.segs[run[0] : run[-1] + 1] = [joined]
 
     def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference: every stored unit decoded to the store dtype, concatenated: K, V [B, H, Tpast, D]."""

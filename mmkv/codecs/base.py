@@ -105,6 +105,9 @@ class Codec:
     # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`); its
     # decode kernel then writes the stack straight into token order (`Codec.decode(out=...)` of the transposed view).
     stackable: bool = False
+    # The axis on which `stack_units` stacks each stored field: after the batch axis (1) unless named here (QVG's
+    # per-stage ids and centres lead with the stage axis, so theirs is 2).
+    stack_axes: ClassVar[dict[str, int]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -253,6 +253,10 @@ class QVGCodec(Codec):
     config_class = QVGConfig
     display_name = "QVG"
     span_codec = True
+    # Each span's encoding holds its own centres: spans of equal length stack as independent rows (`stack_units`),
+    # the per-stage ids and centres on their axis 2 (after the stage and batch axes).
+    stackable = True
+    stack_axes = {"ids": 2, "centroids": 2}
 
     @classmethod
     def value_config(cls, config, group: int = 32):

@@ -72,20 +72,26 @@ def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
     return Encoded(first.codec, shape, first.dtype, tensors, dict(first.meta))
 
 
-def stack_units(encs: list[Encoded]) -> Encoded | None:
+def stack_units(encs: list[Encoded], axes: dict[str, int] | None = None) -> Encoded | None:
     """One encoding of equal-length units stacked on a new axis after the batch axis: each of `encs` is one unit's
     [B, H, T, D] encoding or an earlier stack [B, n, H, T, D]; the result is [B, sum n, H, T, D], every stored tensor
-    stacked (or concatenated) the same way on its axis 1. For codecs whose leading dims are independent rows (KIVI
-    and OScaR, whose keys group over tokens and so cannot be joined along the token axis): decoding the stack
-    decodes each unit as it would alone. None when the units' layouts differ (shapes, dtypes, metadata)."""
+    stacked (or concatenated) the same way on its axis 1, or on the axis `axes` names for it (`Codec.stack_axes`).
+    For codecs whose leading dims are independent rows (KIVI and OScaR, whose keys group over tokens and so cannot be
+    joined along the token axis; QVG, whose spans each have their own centres): decoding the stack decodes each unit
+    as it would alone. A unit may be a span of several of the store's units. None when the units' layouts differ
+    (shapes, dtypes, metadata)."""
+    axes = axes or {}
     if len(encs) < 2:
         return None
     unit = lambda e: tuple(e.shape) if len(e.shape) == 4 else (e.shape[0], *e.shape[2:])  # noqa: E731
     first = encs[0]
     if len(first.shape) not in (4, 5):
         return None
-    fields = {k: (t.dtype, t.shape if len(first.shape) == 4 else t.shape[:1] + t.shape[2:])
-              for k, t in first.tensors.items()}
+    def per_unit(k: str, t: torch.Tensor, stacked: bool) -> tuple[int, ...]:
+        a = axes.get(k, 1)
+        return tuple(t.shape[:a] + t.shape[a + 1:]) if stacked else tuple(t.shape)
+
+    fields = {k: (t.dtype, per_unit(k, t, len(first.shape) == 5)) for k, t in first.tensors.items()}
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in fields}
     units = 0
     for e in encs:
@@ -93,11 +99,11 @@ def stack_units(encs: list[Encoded]) -> Encoded | None:
                 or e.meta != first.meta or set(e.tensors) != set(fields):
             return None
         for k, t in e.tensors.items():
-            per = t.shape if len(e.shape) == 4 else t.shape[:1] + t.shape[2:]
-            if (t.dtype, per) != fields[k] or t.dim() < 1:
+            a = axes.get(k, 1)
+            if (t.dtype, per_unit(k, t, len(e.shape) == 5)) != fields[k] or t.dim() < a:
                 return None
-            parts[k].append(t.unsqueeze(1) if len(e.shape) == 4 else t)
+            parts[k].append(t.unsqueeze(a) if len(e.shape) == 4 else t)
         units += 1 if len(e.shape) == 4 else e.shape[1]
-    tensors = {k: torch.cat(ts, dim=1) for k, ts in parts.items()}
+    tensors = {k: torch.cat(ts, dim=axes.get(k, 1)) for k, ts in parts.items()}
     b, h, t, d = unit(first)
     return Encoded(first.codec, (b, units, h, t, d), first.dtype, tensors, dict(first.meta))
