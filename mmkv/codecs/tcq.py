@@ -274,7 +274,7 @@ class TCQConfig(CodecConfig):
     def __post_init__(self) -> None:
         self.check_choice("bits", BITS)
         if self.L is None:  # the width's default, written into the config (and its canonical string)
-            object.__setattr__(self, "L", DEFAULT_L[self.bits])
+            self.set("L", DEFAULT_L[self.bits])
         self.check_int("hi", 0)
         self.check_choice("L", STATE_BITS)
         self.check_choice("norm", (16, 32))
