@@ -416,8 +416,6 @@ def test_codebook_check_accepts_last_bit_noise_and_names_a_real_change(tmp_path,
 def test_config_string_is_made_once_and_stays_canonical():
     """A config's preset string is built once (a store's codecs compare it at every encode and decode); a field
     normalised in `__post_init__` (TCQ's default L) is in it, and `replace` makes a new one."""
-    from mmkv.codecs import CodecConfig
-
     cfg = CodecConfig.parse("tcq:bits=3")
     assert str(cfg) == "tcq:L=9,bits=3,hi=0,norm=16" and str(cfg) is str(cfg)
     assert str(cfg.replace(hi=4)) == "tcq:L=9,bits=3,hi=4,norm=16" and str(cfg) == "tcq:L=9,bits=3,hi=0,norm=16"
