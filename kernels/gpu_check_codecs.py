@@ -49,7 +49,8 @@ VARIANTS = [{"warps": 2}, {"warps": 8}]
 # fused=False: the reference's torch code after the search in place of the finishing kernel; window=None: pass one
 # over all steps as QTIP's (the codes before 2026-12-03: the only variant whose codes may differ).
 TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4},
-                {"vectors": 8}, {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4}, {"vectors": 4, "warps": 8}, {"vectors": 16, "warps": 8}, {"prefetch": True}, {"programs": 4096},
+                {"vectors": 8}, {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4}, {"vectors": 4, "warps": 8},
+                {"vectors": 16, "warps": 8}, {"prefetch": True}, {"programs": 4096},
                 {"prefetch": True, "programs": 65536}, {"vectors": 2, "prefetch": True, "programs": 65536},
                 {"fused": False}, {"window": None}]
 

@@ -54,9 +54,9 @@ class Segment:
     span still holds them, as QVG's `ChunkedKVCache.evict_range` does); they are decoded and dropped.
 
     `stack` > 1: the encodings of `stack` equal-length units stacked on a new axis after the batch axis, shape
-    [B, stack, H, T_unit, D] (how the store joins the units of codecs that group over tokens, KIVI / OScaR keys, so
-    that one decode call covers them: the units are independent rows to the codec). They stand for the tokens
-    [B, H, stack * T_unit, D] in unit order.
+    [B, stack, H, T_unit, D] (how the store joins the units of codecs that group over tokens, KIVI / OScaR keys, or
+    QVG's commit spans, each a stack entry, so that one decode call covers them: the entries are independent rows
+    to the codec). They stand for the tokens [B, H, stack * T_unit, D] in order.
     """
 
     k: torch.Tensor | None = None  # [B, H, T, D] native
@@ -90,8 +90,8 @@ class Segment:
         return (b, h, n * t, d)
 
     def unstacked(self) -> list["Segment"]:
-        """One segment per unit of a stacked segment (views of its tensors; contiguous copies when B > 1), for the
-        paths that attend segment by segment (fused kernels, score estimators)."""
+        """One segment per entry (a unit or a span) of a stacked segment (views of its tensors where contiguous,
+        else copies), for the paths that attend segment by segment (fused kernels, score estimators)."""
         if self.stack == 1:
             return [self]
 
