@@ -24,6 +24,21 @@ def test_tiny_bench_has_a_row_per_codec_and_identity_is_bit_exact(tmp_path, caps
     assert "| kivi:bits=2,group=32 |" in text and "x native cache" in text and "peak CUDA MiB" in text
 
 
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")  # torch's note on a second profile in a process
+def test_tiny_bench_profiles_a_rollout_per_codec(tmp_path):
+    """`--profile`: one more rollout per codec under torch.profiler, its summary in the row (on the CPU: no kernel
+    launches or GPU time, but the host's costliest ops)."""
+    out = tmp_path / "rows.json"
+    assert main(["bench", "audio", "--tiny", "--repeats", "1", "--codecs", "kivi:bits=2,group=32", "--profile",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["codec"] for r in rows] == ["native cache", "kivi:bits=2,group=32"]
+    for row in rows:
+        prof = row["profile"]
+        assert prof["wall_s"] > 0 and prof["host_top_ms"] and all(v >= 0 for v in prof["host_top_ms"].values())
+        assert {"gpu_kernel_s", "launches", "host_syncs", "cuda_mallocs"} <= set(prof)
+
+
 def test_refuses_without_cuda(capsys):
     import torch
 

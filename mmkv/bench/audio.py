@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mmkv.bench.video import save_rows
+from mmkv.bench.video import profile_summary, save_rows
 from mmkv.cache.flags import add_cache_arguments
 
 # The demo's codecs for the trained models without identity (mmkv/demo.py TRAINED_CODECS): QVG with 16 centres a
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser, ("--residual-window", "--reuse-decoded"), units="scales")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec; the median is reported (default 3)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run one rollout per codec under torch.profiler and report GPU kernel seconds, "
+                             "launches, host syncs and the host's costliest ops next to the wall time (as bench video)")
     parser.add_argument("--json", type=Path, help="write the rows here")
 
 
@@ -142,6 +145,15 @@ def run(args: argparse.Namespace) -> int:
             save_rows(args.json, rows)  # as each row lands: a call cut by its time limit keeps them
             print(f"{rows[-1]['codec']}: {res['seconds']:.3f} s x{rows[-1]['ratio_to_native']:.2f} "
                   f"(warm-up {res['warmup_s']:.1f} s)", flush=True)
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=activities) as prof:
+                    wall = one(codec)["seconds"]
+                rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages())}
+                save_rows(args.json, rows)
+                print(f"  profiled: {rows[-1]['profile']}", flush=True)
         except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
             if codec is None:
                 raise
