@@ -87,6 +87,7 @@ def stack_units(encs: list[Encoded], axes: dict[str, int] | None = None) -> Enco
     first = encs[0]
     if len(first.shape) not in (4, 5):
         return None
+
     def per_unit(k: str, t: torch.Tensor, stacked: bool) -> tuple[int, ...]:
         a = axes.get(k, 1)
         return tuple(t.shape[:a] + t.shape[a + 1:]) if stacked else tuple(t.shape)

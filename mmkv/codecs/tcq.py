@@ -217,9 +217,8 @@ def tcq_table(key: str) -> list[float]:
     """`L{L}_k{k}`: the [2^L, V] table for L state bits and k-bit steps, flattened: seeded N(0, 1) draws, then
     `TRAIN_ITERS` Lloyd iterations on `TRAIN_VECTORS` seeded N(0, 1) vectors of 64 steps (each entry becomes the mean
     of the values its state reconstructed under tail-biting Viterbi, pass one over all steps as QTIP's; an entry no
-    path used keeps its value). Every
-    step is elementwise IEEE arithmetic, a min or a sequential float64 sum, so it rebuilds within the codebooks'
-    tolerance on any machine."""
+    path used keeps its value). Every step is elementwise IEEE arithmetic, a min or a sequential float64 sum, so it
+    rebuilds within the codebooks' tolerance on any machine."""
     m = _KEY.match(key)
     if not m:
         raise KeyError(f"bad tcq table key {key!r}; expected e.g. 'L10_k4'")
