@@ -334,6 +334,12 @@ def test_ship_video_copies_a_release_the_asset_check_and_the_loaders_accept(stag
     assert "not an empty folder" in capsys.readouterr().err
     assert main(["ship", "video", "--from", str(root / "vae"), "--out", str(tmp_path / "x")]) == 2
     assert "dit or distill stage" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    # over the package-data budget: refused before anything is written, with the size and the way out
+    small = tmp_path / "small"
+    assert main(["ship", "video", "--from", str(root / "distill"), "--out", str(small), "--max-mb", "0.01"]) == 2
+    assert "over the 0.01 MB package-data budget" in capsys.readouterr().err and not small.exists()
+    assert main(["ship", "video", "--from", str(root / "distill"), "--out", str(small), "--max-mb", "-1"]) == 2
+    assert "--max-mb -1" in capsys.readouterr().err and not small.exists()
 
 
 def test_summary_counts_a_missing_object_as_wrong():

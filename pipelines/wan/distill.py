@@ -113,10 +113,14 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
             continue
         ends, states, ctxs = [], {t: [] for t in ts}, []
         share = (n / cfg.ode_clips) * 0.4 * budget_s if budget_s is not None and not pinned else None
-        t_kind = time.perf_counter()
+        t_kind = t_batch = time.perf_counter()
         for i in range(0, n, cfg.ode_batch):
-            if share is not None and i and time.perf_counter() - t_kind > share:
-                break  # out of this kind's share of the budget: train on what is there (recorded below)
+            now = time.perf_counter()
+            # out of this kind's share of the budget, or the next batch (timed as the last) would run past it:
+            # train on what is there (recorded below)
+            if share is not None and i and now - t_kind + (now - t_batch) > share:
+                break
+            t_batch = now
             m = min(cfg.ode_batch, n - i)
             seeds = training_seeds(gen, m)
             captions = [scenes.caption(scenes.sample_scene(s)) for s in seeds]

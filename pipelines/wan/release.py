@@ -81,7 +81,12 @@ def check_eval_record(path: Path, source: Path) -> dict:
     return record
 
 
-def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | None = None) -> Path:
+# Package data for the shipped video set (the VAE, text encoder, tokenizer and DiT in `mmkv/assets/video/`).
+VIDEO_PACKAGE_BYTES = 20_000_000
+
+
+def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | None = None, *,
+               max_bytes: int | None = VIDEO_PACKAGE_BYTES) -> Path:
     """Copy the release of a `dit` or `distill` stage output (`base/`, `causvid/model.pt`, and its `train.json`, the
     record of how it was trained, which also lets `mmkv train ... --init` continue from the shipped folder) to
     `dest` with its `SHA256SUMS` (`mmkv.assets.record_sums`), the layout `mmkv.assets.trained_video_assets` checks.
@@ -89,7 +94,9 @@ def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | Non
     written; everything is written into a hidden folder beside `dest` and renamed onto it at the end. `dest` must
     not exist or be empty. `eval_path`, the release's own held-out scores (`mmkv eval video`, checked by
     `check_eval_record`), ships as `eval.json`: the demo reads them to decide whether to use the set by default
-    (`mmkv.assets.demo_ready`)."""
+    (`mmkv.assets.demo_ready`). A release over `max_bytes` in all (the package-data budget; None: no limit) is
+    refused before anything is written: the tiny config's DiT is about 2.1 MB a layer in bf16, so with its VAE
+    and text encoder at most 6 layers fit in 20 MB."""
     from mmkv.assets import check_release_dest, release_folder
     from mmkv.pipelines.files import RunError
     from mmkv.pipelines.wan.loaders import load_wan
@@ -101,6 +108,14 @@ def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | Non
         raise RunError(f"--from {source} is not the output of a `mmkv train video` dit or distill stage (its "
                        f"train.json names {stage!r}); give the folder holding base/, causvid/ and train.json")
     check_release_dest(dest)
+    if max_bytes is not None:
+        shipped = [*(source / "base").rglob("*"), *(source / "causvid").rglob("*"), record]
+        size = sum(p.stat().st_size for p in shipped if p.is_file())
+        size += Path(eval_path).stat().st_size if eval_path is not None and Path(eval_path).is_file() else 0
+        if size > max_bytes:
+            raise RunError(f"--from {source}: the release would be {size / 1e6:.2f} MB, over the "
+                           f"{max_bytes / 1e6:g} MB package-data budget (--max-mb); ship a smaller model, or give "
+                           "--max-mb 0 for a folder outside the package")
     load_wan(source / "causvid", source / "base", device="cpu", dtype=torch.float32)  # refuses what cannot load
     if eval_path is not None:
         check_eval_record(Path(eval_path), source)
@@ -121,10 +136,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval", default=None, metavar="FILE",
                         help="this release's held-out scores (`mmkv eval video --out FILE`), shipped as eval.json; "
                              "the demo uses the set by default only when they clear its bar")
+    parser.add_argument("--max-mb", type=float, default=VIDEO_PACKAGE_BYTES / 1e6, metavar="MB",
+                        help="refuse a release larger than this in all (default: the package-data budget, "
+                             f"{VIDEO_PACKAGE_BYTES / 1e6:g} MB); 0: no limit")
 
 
 def run(args) -> int:
-    dest = ship_video(args.source, args.out, args.eval)
+    from mmkv.pipelines.files import RunError
+
+    if args.max_mb < 0:
+        raise RunError(f"--max-mb {args.max_mb:g}: expected a size in MB > 0, or 0 for no limit")
+    dest = ship_video(args.source, args.out, args.eval, max_bytes=int(args.max_mb * 1e6) if args.max_mb else None)
     files = sorted(p for p in dest.rglob("*") if p.is_file())
     for p in files:
         print(f"  {p.stat().st_size:>10,d}  {p.relative_to(dest)}")
