@@ -40,14 +40,16 @@ PRESETS = [
 # rotation codecs hold [.., T, 43, 9, 3]-sized temporaries.
 FULL_REFERENCE = {"octopus:b=3", "turboquant-mse:b=4", "groupquant:bits=2,group=32"}
 # Launch variants timed for the two headline encoders: warps a program (one token a thread: 32 tokens a warp); for
-# TCQ's Viterbi encoder, warps and vectors a program over their 2^L path costs each (default: 1 warp, `vectors_a_program`).
+# TCQ's Viterbi encoder, warps and vectors a program over their 2^L path costs each (default: 1 warp,
+# `vectors_a_program`).
 VARIANTS = [{"warps": 2}, {"warps": 8}]
 # prefetch=False: each step's inputs loaded in the step (the default loads them a step ahead); programs: vectors a
 # launch (default: as many as 128 MB of back-pointer scratch hold, one launch for the video shape; 4096, the earlier
-# default, takes 14 launches of about one wave each); one warp with 2 or 4 vectors: independent searches side by side in one warp, to hide each step's
-# latency (a step of the search is about 100 instructions a warp at L = 8, compiled for sm_90: docs/perf.md);
-# fused=False: the reference's torch code after the search in place of the finishing kernel; window=None: pass one
-# over all steps as QTIP's (the codes before 2026-12-03: the only variant whose codes may differ).
+# default, takes 14 launches of about one wave each); one warp with 2 or 4 vectors: independent searches side by side
+# in one warp, to hide each step's latency (a step of the search is about 100 instructions a warp at L = 8, compiled
+# for sm_90: docs/perf.md); fused=False: the reference's torch code after the search in place of the finishing kernel;
+# window=None: pass one over all steps as QTIP's (the codes before 2026-12-03: the only variant whose codes may
+# differ).
 TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4},
                 {"vectors": 8}, {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4}, {"vectors": 4, "warps": 8},
                 {"vectors": 16, "warps": 8}, {"prefetch": False}, {"programs": 4096},

@@ -170,12 +170,13 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
 
 def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
             programs: int | None = None, window: int | None = PASS_ONE_WINDOW) -> torch.Tensor:
-    """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings
-    (the codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side
-    as an [vectors, 2^L] tile (default `vectors_a_program`); `prefetch`: each step's inputs loaded one step
-    ahead (the default since the H200 check of 2026-12-03, run L: 1.08 against 1.20 ms an encode at 2 bits with
-    4 vectors a program, 1.92 against 1.97 at 3 bits, codes equal); `programs`: vectors a launch (default `vectors_a_launch`), each with its own back-pointer scratch of
-    steps x 2^(L-k) int16. `window`: pass one's steps either side of the first, as the reference's (None: all)."""
+    """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings (the
+    codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side as an
+    [vectors, 2^L] tile (default `vectors_a_program`); `prefetch`: each step's inputs loaded one step ahead (the
+    default since the H200 check of 2026-12-03, run L: 1.08 against 1.20 ms an encode at 2 bits with 4 vectors a
+    program, 1.92 against 1.97 at 3 bits, codes equal); `programs`: vectors a launch (default `vectors_a_launch`),
+    each with its own back-pointer scratch of steps x 2^(L-k) int16. `window`: pass one's steps either side of the
+    first, as the reference's (None: all)."""
     return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window).to(
         torch.int64).view(*u.shape[:-1], codec.steps)
 
