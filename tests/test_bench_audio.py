@@ -24,6 +24,16 @@ def test_tiny_bench_has_a_row_per_codec_and_identity_is_bit_exact(tmp_path, caps
     assert "| kivi:bits=2,group=32 |" in text and "x native cache" in text and "peak CUDA MiB" in text
 
 
+def test_paired_times_a_native_rollout_before_each_codec_rollout(tmp_path):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "audio", "--tiny", "--repeats", "2", "--codecs", "identity", "--paired", "--json",
+                 str(out)]) == 0
+    native, identity = json.loads(out.read_text())
+    assert native["paired_native_seconds"] is None
+    assert len(identity["paired_native_seconds"]) == len(identity["all_seconds"]) == 2
+    assert identity["bit_exact"]
+
+
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")  # torch's note on a second profile in a process
 def test_tiny_bench_profiles_a_rollout_per_codec(tmp_path):
     """`--profile`: one more rollout per codec under torch.profiler, its summary in the row (on the CPU: no kernel

@@ -114,3 +114,28 @@ def test_default_codecs_are_the_demos_at_two_and_four_bits_and_qvg():
 
     assert video._codecs(video.DEFAULT_CODECS) == [*CODECS[1:], "qvg:bits=2", "qvg:bits=4"]
     assert video._models(video.DEFAULT_MODELS) == ["causvid", "causal-forcing-frame"]
+
+
+def test_paired_runs_a_baseline_before_each_codec_rollout_and_reports_the_median_ratio(tmp_path):
+    """`--paired`: each timed codec rollout follows a bf16-cache rollout; the row keeps both series and its ratio is
+    the median of the pairs' ratios, not the ratio of the medians."""
+    import json
+    import statistics
+
+    out = tmp_path / "rows.json"
+    assert main(["bench", "video", "--tiny", "--frames", "6", "--repeats", "3", "--model", "causvid", "--codecs",
+                 "identity", "--paired", "--json", str(out)]) == 0
+    base, ident = json.loads(out.read_text())
+    assert base["paired_bf16_seconds"] is None and base["ratio_to_bf16"] == 1.0
+    pairs = ident["paired_bf16_seconds"]
+    assert len(pairs) == len(ident["all_seconds"]) == 3
+    want = statistics.median(t / b for t, b in zip(ident["all_seconds"], pairs))
+    # the row's seconds are rounded to 1 ms of tiny rollouts (tens of ms): the ratio, from the unrounded ones,
+    # agrees to a few per cent (`test_ratio_is_the_median_of_pairs_only_when_paired` checks the arithmetic)
+    assert ident["ratio_to_bf16"] == pytest.approx(want, rel=0.1)
+
+
+def test_ratio_is_the_median_of_pairs_only_when_paired():
+    res = {"seconds": 2.0, "all_seconds": [1.0, 2.0, 9.0], "paired_base_seconds": [1.0, 1.0, 3.0]}
+    assert video.ratio(res, {"seconds": 1.5}) == 2.0  # pairs 1, 2, 3
+    assert video.ratio({**res, "paired_base_seconds": None}, {"seconds": 1.5}) == pytest.approx(4 / 3)

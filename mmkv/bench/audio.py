@@ -3,12 +3,12 @@
 The audio half of docs/perf.md's performance check, measured as `mmkv bench video` measures video: one clip of 1 s
 (AAR's 16 scales, L = 455 tokens, CFG doubling the batch), the transformer blocks and their KV cache in bf16, every
 codec of the demo's list (OCTOPUS, OScaR, TurboQuant-MSE, KIVI at 2 and 4 bits, QVG with the demo's 16 centres)
-through the kernels on CUDA; each codec's wall time (sampling and the SAT decode) as a ratio to the native cache's
-in the same process, measured KV bytes, KV x, peak KV and peak CUDA memory. The models are built once; each codec
-is warmed up on one rollout (Triton compilation stays out of the timings), then timed `--repeats` times and the
-median reported. Random weights (the tiny models' init, so attention matters): the token agreement only shows that
-the rollouts differ. `--tiny` runs the micro AAR on the CPU (the tests: the rows, and identity bit-exact with the
-native cache).
+through the kernels on CUDA; each codec's wall time (sampling and the SAT decode) as a ratio to the native cache's in
+the same process, measured KV bytes, KV x, peak KV and peak CUDA memory. The models are built once; each codec is
+warmed up on one rollout (Triton compilation stays out of the timings), then timed `--repeats` times and the median
+reported (with `--paired`, each after a native-cache rollout, the ratio the median of the pairs'). Random weights
+(the tiny models' init, so attention matters): the token agreement only shows that the rollouts differ. `--tiny` runs
+the micro AAR on the CPU (the tests: the rows, and identity bit-exact with the native cache).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mmkv.bench.video import profile_summary, save_rows
+from mmkv.bench.video import PAIRED_HELP, profile_summary, ratio, save_rows, timed
 from mmkv.cache.flags import add_cache_arguments
 
 # The demo's codecs for the trained models without identity (mmkv/demo.py TRAINED_CODECS): QVG with 16 centres a
@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser, ("--residual-window", "--reuse-decoded"), units="scales")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec; the median is reported (default 3)")
+    parser.add_argument("--paired", action="store_true", help=PAIRED_HELP)
     parser.add_argument("--profile", action="store_true",
                         help="also run one rollout per codec under torch.profiler and report GPU kernel seconds, "
                              "launches, host syncs and the host's costliest ops next to the wall time (as bench video)")
@@ -132,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
             warm = time.perf_counter()
             one(codec)  # warm-up: kernel compilation, allocator
             warm = time.perf_counter() - warm
-            runs = [one(codec) for _ in range(max(1, args.repeats))]
+            runs, paired = timed(lambda: one(codec), args.repeats,
+                                 lambda: one(None) if args.paired and codec else None)
             res = runs[0]
             res["warmup_s"] = warm
             res["all_seconds"] = [r["seconds"] for r in runs]
+            res["paired_base_seconds"] = paired
             res["seconds"] = statistics.median(res["all_seconds"])
             res["transformer_s"] = statistics.median(r["transformer_s"] for r in runs)
             del runs
@@ -177,10 +180,11 @@ def _row(codec: str | None, args, res: dict, base: dict) -> dict:
     return {
         "codec": codec or "native cache", "dtype": args.dtype, "residual_window": args.residual_window,
         "reuse_decoded": bool(args.reuse_decoded),
-        "seconds": round(res["seconds"], 4), "ratio_to_native": round(res["seconds"] / base["seconds"], 3),
+        "seconds": round(res["seconds"], 4), "ratio_to_native": round(ratio(res, base), 3),
         "transformer_s": round(res["transformer_s"], 4),
         "transformer_ratio": round(res["transformer_s"] / base["transformer_s"], 3),
         "all_seconds": [round(x, 4) for x in res["all_seconds"]], "warmup_s": round(res["warmup_s"], 3),
+        "paired_native_seconds": [round(x, 4) for x in res.get("paired_base_seconds") or []] or None,
         "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),
         "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
         "peak_kv_bytes": res["peak_kv_bytes"], "peak_cuda_bytes": res["peak_cuda"],

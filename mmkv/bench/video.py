@@ -6,7 +6,8 @@ at 2 and 4 bits (OCTOPUS, OScaR, TurboQuant-MSE, KIVI, QVG), each codec's wall t
 measured in the same process on the same loop, measured KV bytes, KV x, peak KV and peak CUDA memory. The model is
 built once and serves every loop and codec; every (loop, codec) is warmed up once on a two-block rollout first
 (Triton compilation stays out of the timings); each rollout is then timed `--repeats` times and the median reported
-(run-to-run spread on the H200 is a few per cent). Random weights: the quality columns only show that the rollouts
+(run-to-run spread on the H200 is a few per cent; with `--paired`, each timed codec rollout follows a baseline
+rollout and the ratio is the median of the pairs'). Random weights: the quality columns only show that the rollouts
 differ, not how much a real model would. `--tiny` runs the tiny DiT on the CPU instead (the tests: the rows, and
 identity bit-exact with the native cache).
 """
@@ -26,6 +27,9 @@ DEFAULT_MODELS = "causvid,causal-forcing-frame"
 DEFAULT_CODECS = ("octopus:b=2;octopus:b=4;oscar:bits=2;oscar:bits=4;turboquant-mse:b=2;turboquant-mse:b=4;"
                   "kivi:bits=2,group=32;kivi:bits=4,group=32;qvg:bits=2;qvg:bits=4")
 FULL_LATENT, TINY_LATENT = "60x104", "8x12"
+PAIRED_HELP = ("time a baseline rollout just before each timed codec rollout and report the median of the pairs' "
+               "ratios, so that a drift in the host's pace (run L, docs/perf.md) moves both sides of each ratio "
+               "(one more baseline rollout per codec rollout)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encode unit by unit (CacheConfig.merge_units=False), to time what merging saves")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec and frame count; the median is reported (default 3)")
+    parser.add_argument("--paired", action="store_true", help=PAIRED_HELP)
     parser.add_argument("--profile", action="store_true",
                         help="also run one rollout per codec (largest frame count) under torch.profiler and report GPU "
                              "kernel seconds, kernel launches and host syncs next to the wall time")
@@ -156,9 +161,11 @@ def run(args: argparse.Namespace) -> int:
                 one(preset, codec, preset.frames_per_block * 2)  # warm-up: kernel compilation, allocator
                 warm = time.perf_counter() - warm
                 for frames in frame_counts:
-                    runs = [one(preset, codec, frames) for _ in range(max(1, args.repeats))]
+                    runs, paired = timed(lambda: one(preset, codec, frames), args.repeats,
+                                         lambda: one(preset, None, frames) if args.paired and codec else None)
                     res = runs[0]
                     res["all_seconds"] = [r["seconds"] for r in runs]
+                    res["paired_base_seconds"] = paired
                     res["warmup_s"], warm = warm, 0.0  # the warm-up is counted in the first frame count's row
                     res["seconds"] = statistics.median(res["all_seconds"])
                     del runs
@@ -193,6 +200,27 @@ def run(args: argparse.Namespace) -> int:
                       f"sink {args.sink}; {time.perf_counter() - began:.0f} s in all"))
     save_rows(args.json, rows)
     return 0
+
+
+def timed(run, repeats: int, baseline) -> tuple[list[dict], list[float] | None]:
+    """`repeats` (at least 1) results of `run()`; where `baseline()` returns a result (`--paired`), it runs just
+    before each, and its seconds come back beside them (else None)."""
+    runs, base = [], []
+    for _ in range(max(1, repeats)):
+        b = baseline()
+        if b is not None:
+            base.append(b["seconds"])
+        runs.append(run())
+    return runs, (base or None)
+
+
+def ratio(res: dict, base: dict) -> float:
+    """A result's time over its baseline's: the median of the paired rollouts' ratios where they were paired
+    (`timed`), else the ratio of the medians."""
+    paired = res.get("paired_base_seconds")
+    if paired:
+        return statistics.median(t / b for t, b in zip(res["all_seconds"], paired))
+    return res["seconds"] / base["seconds"]
 
 
 def save_rows(path: Path | None, rows: list[dict]) -> None:
@@ -273,8 +301,9 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
         "model": model, "codec": codec or "bf16 cache", "frames": frames, "latent": latent,
         "window": args.window, "sink": args.sink, "reuse_decoded": bool(args.reuse_decoded),
         "merge_units": not args.no_merge,
-        "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(res["seconds"] / base["seconds"], 3),
+        "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(ratio(res, base), 3),
         "all_seconds": [round(x, 3) for x in res.get("all_seconds", [res["seconds"]])],
+        "paired_bf16_seconds": [round(x, 3) for x in res.get("paired_base_seconds") or []] or None,
         "warmup_s": round(res.get("warmup_s", 0.0), 3),
         "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),
         "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
