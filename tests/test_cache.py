@@ -606,6 +606,28 @@ def test_one_finiteness_scan_per_append_and_nan_still_named(monkeypatch):
     assert flags[-1] is False  # the scan found it, and the codec's own check named it
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finiteness_scan_flags_exactly_the_nonfinite(dtype):
+    """`nonfinite` (a float64 sum a tensor): finite values at the dtype's largest magnitude never read as NaN/Inf,
+    and one NaN, +inf or -inf (or +inf and -inf together, whose sum is NaN) in any tensor of any unit does."""
+    from mmkv.cache.checks import nonfinite
+    from mmkv.cache.segments import Seg
+
+    big = torch.finfo(dtype).max
+    k = torch.full((1, 2, 64, 32), big, dtype=dtype)
+    v = torch.full((1, 2, 64, 32), -big, dtype=dtype)
+    natives = {0: Seg(0, (64,), k=k, v=v)}
+    assert not bool(nonfinite([0], natives, {}))
+    assert not bool(nonfinite([0, 1, 2], natives, {1: (k, k), 2: (v, v)}))  # many tensors: stacked
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        w = v.clone()
+        for i, x in enumerate(bad):
+            w.view(-1)[7 + i] = x
+        assert bool(nonfinite([0], {0: Seg(0, (64,), k=k, v=w)}, {})), bad
+        assert bool(nonfinite([0, 1], natives, {1: (w, k)})), bad
+    assert nonfinite([], natives, {}) is None
+
+
 @pytest.mark.parametrize("codec", ["octopus:b=2", "turboquant-mse:b=2", "identity", "kivi:bits=2,group=32",
                                    "oscar:bits=2,group=32"])
 def test_merged_units_decode_bit_identical_to_unit_by_unit(codec):

@@ -22,7 +22,13 @@ def nonfinite(leaving: list[int], natives: dict[int, Seg], new: dict[int, tuple[
     tensors = [t for u in leaving for t in (new[u] if u in new else (natives[u].k, natives[u].v))]
     if not tensors or tensors[0].device.type == "meta":
         return None
-    return ~torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    # A float64 sum of fp32 / bf16 / fp16 values is finite exactly when they all are (no sum of finite ones can
+    # reach 1.8e308, and a NaN or an infinity propagates), so one reduction a tensor and two ops on the total
+    # decide it: 5 launches an append of one unit's K and V, against 13 for `isfinite(t).all()` a tensor
+    # (`isfinite` is four elementwise ops).
+    sums = [t.sum(dtype=torch.float64) for t in tensors]
+    total = sums[0] if len(sums) == 1 else sums[0] + sums[1] if len(sums) == 2 else torch.stack(sums).sum()
+    return (total - total) != 0  # inf - inf and NaN - NaN are NaN, and NaN != 0
 
 
 @dataclass
