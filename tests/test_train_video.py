@@ -146,6 +146,19 @@ def test_every_stage_lowers_its_loss_and_writes_weights_only(stages):
     ckpt = torch.load(root / "distill" / "causvid" / "model.pt", weights_only=True, map_location="cpu")
     assert set(ckpt) == {"generator"}  # no optimizer state
     assert all(v.dtype == torch.bfloat16 for v in ckpt["generator"].values())
+    for name, rec in (("dit", dit), ("distill", dist)):  # the release's bytes, as `mmkv ship video` counts them
+        files = [p for d in ("base", "causvid") for p in (root / name / d).rglob("*") if p.is_file()]
+        assert rec["release_bytes"] == sum(p.stat().st_size for p in files) > 0
+
+
+def test_a_release_over_the_package_budget_is_noted_in_the_stage_log():
+    from mmkv.pipelines.wan.release import VIDEO_PACKAGE_BYTES, note_release_size
+
+    lines: list[str] = []
+    note_release_size(VIDEO_PACKAGE_BYTES, lines.append)
+    assert lines == []
+    note_release_size(23_640_000, lines.append)
+    assert len(lines) == 1 and "23.64 MB, over the 20 MB package-data budget" in lines[0]
 
 
 def test_the_release_layout_loads_through_the_loaders_and_rolls_out(stages):

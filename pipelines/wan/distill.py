@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from mmkv.pipelines.training import ema_update, frozen_copy, optimise, to_device
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.loop import get_preset
-from mmkv.pipelines.wan.release import write_release
+from mmkv.pipelines.wan.release import note_release_size, write_release
 from mmkv.pipelines.wan.train import (
     VideoTrainConfig, _load_release, shifted_sigmas, teacher_forced_flow, text_states, tokenize, training_seeds,
 )
@@ -171,6 +171,8 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     stats = optimise(list(student.parameters()), loss_fn, steps=cfg.distill_steps, lr=cfg.distill_lr,
                       warmup=cfg.warmup, budget_s=remaining, device=device,
                       after_step=lambda s: ema_update(ema, student, cfg.ema, s), log=log, name="distill")
-    write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema, base_from=dit_folder / "base")
-    return {**stats, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()}, "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
+    size = write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema,
+                         base_from=dit_folder / "base")
+    note_release_size(size, log)
+    return {**stats, "release_bytes": size, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()}, "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
             "capture_timesteps": {"causvid": chunk_ts, "causal-forcing-frame": frame_ts}}

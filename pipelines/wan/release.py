@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 
 
 def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, dit,
-                  base_from: Path | None = None) -> None:
+                  base_from: Path | None = None) -> int:
     """`out/base` (diffusers Wan folder) and `out/causvid/model.pt` (bf16 CausVid generator), as the loaders read.
 
     The VAE and text encoder are stored in bf16 (the DiT's dtype in CausVid's release; loaders cast to the run's
-    dtype), keeping the whole model under the package-data budget."""
+    dtype), keeping the whole model under the package-data budget. Returns the release's bytes."""
     from mmkv.pipelines.wan.tiny import original_state_dict
 
     base = out / "base"
@@ -52,6 +52,15 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
     (out / "causvid").mkdir(parents=True, exist_ok=True)
     torch.save({"generator": {"model." + k: v.to("cpu", torch.bfloat16).contiguous() for k, v in sorted(sd.items())}},
                out / "causvid" / "model.pt")
+    return sum(p.stat().st_size for d in (base, out / "causvid") for p in d.rglob("*") if p.is_file())
+
+
+def note_release_size(nbytes: int, log: Callable[[str], None]) -> None:
+    """Say so in the stage's log when a release is over the video set's package-data budget, which `mmkv ship
+    video` enforces: it can be scored and used from its folder, not shipped in the package."""
+    if nbytes > VIDEO_PACKAGE_BYTES:
+        log(f"note: this release is {nbytes / 1e6:.2f} MB, over the {VIDEO_PACKAGE_BYTES / 1e6:g} MB package-data "
+            "budget of the shipped video set: `mmkv ship video` will refuse it (fewer `dit_layers` fit)")
 
 
 def _to_cpu_bf16(module: torch.nn.Module) -> torch.nn.Module:

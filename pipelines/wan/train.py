@@ -41,7 +41,8 @@ from mmkv.pipelines.training import (
 )
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.model import TeacherForcing
-from mmkv.pipelines.wan.release import write_release  # noqa: F401  (re-exported: train.write_release)
+from mmkv.pipelines.wan.release import (  # noqa: F401  (write_release re-exported: train.write_release)
+    note_release_size, write_release)
 
 STAGES = ("vae", "dit", "distill")
 
@@ -685,8 +686,9 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
     stats = optimise(list(dit.parameters()) + list(encoder.parameters()), loss_fn, steps=cfg.dit_steps,
                       lr=cfg.dit_lr, warmup=cfg.warmup, budget_s=remaining, device=device, after_step=after, log=log,
                       name="dit")
-    write_release(out, cfg, vae=vae, encoder=ema_enc, tokenizer=tokenizer, dit=ema_dit)
-    return {**stats, "dataset_clips": len(data_seeds), "dataset_seed": seed}
+    size = write_release(out, cfg, vae=vae, encoder=ema_enc, tokenizer=tokenizer, dit=ema_dit)
+    note_release_size(size, log)
+    return {**stats, "dataset_clips": len(data_seeds), "dataset_seed": seed, "release_bytes": size}
 
 
 # ----------------------------------------------------------------------------------------------------------------
