@@ -174,5 +174,6 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     size = write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema,
                          base_from=dit_folder / "base")
     note_release_size(size, log)
-    return {**stats, "release_bytes": size, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()}, "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
+    return {**stats, "release_bytes": size, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()},
+            "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
             "capture_timesteps": {"causvid": chunk_ts, "causal-forcing-frame": frame_ts}}

@@ -16,6 +16,9 @@ from mmkv.pipelines.training import frozen_copy
 if TYPE_CHECKING:
     from mmkv.pipelines.wan.train import VideoTrainConfig
 
+# Package data for the shipped video set (the VAE, text encoder, tokenizer and DiT in `mmkv/assets/video/`).
+VIDEO_PACKAGE_BYTES = 20_000_000
+
 # ----------------------------------------------------------------------------------------------------------------
 # Release layout
 
@@ -52,7 +55,12 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
     (out / "causvid").mkdir(parents=True, exist_ok=True)
     torch.save({"generator": {"model." + k: v.to("cpu", torch.bfloat16).contiguous() for k, v in sorted(sd.items())}},
                out / "causvid" / "model.pt")
-    return sum(p.stat().st_size for d in (base, out / "causvid") for p in d.rglob("*") if p.is_file())
+    return release_nbytes(out)
+
+
+def release_nbytes(root: Path) -> int:
+    """Bytes of a release's model files: everything under `root/base` and `root/causvid`."""
+    return sum(p.stat().st_size for d in (root / "base", root / "causvid") for p in d.rglob("*") if p.is_file())
 
 
 def note_release_size(nbytes: int, log: Callable[[str], None]) -> None:
@@ -90,10 +98,6 @@ def check_eval_record(path: Path, source: Path) -> dict:
     return record
 
 
-# Package data for the shipped video set (the VAE, text encoder, tokenizer and DiT in `mmkv/assets/video/`).
-VIDEO_PACKAGE_BYTES = 20_000_000
-
-
 def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | None = None, *,
                max_bytes: int | None = VIDEO_PACKAGE_BYTES) -> Path:
     """Copy the release of a `dit` or `distill` stage output (`base/`, `causvid/model.pt`, and its `train.json`, the
@@ -118,8 +122,7 @@ def ship_video(source: str | Path, dest: str | Path, eval_path: str | Path | Non
                        f"train.json names {stage!r}); give the folder holding base/, causvid/ and train.json")
     check_release_dest(dest)
     if max_bytes is not None:
-        shipped = [*(source / "base").rglob("*"), *(source / "causvid").rglob("*"), record]
-        size = sum(p.stat().st_size for p in shipped if p.is_file())
+        size = release_nbytes(source) + record.stat().st_size
         size += Path(eval_path).stat().st_size if eval_path is not None and Path(eval_path).is_file() else 0
         if size > max_bytes:
             raise RunError(f"--from {source}: the release would be {size / 1e6:.2f} MB, over the "
