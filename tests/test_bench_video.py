@@ -139,3 +139,15 @@ def test_ratio_is_the_median_of_pairs_only_when_paired():
     res = {"seconds": 2.0, "all_seconds": [1.0, 2.0, 9.0], "paired_base_seconds": [1.0, 1.0, 3.0]}
     assert video.ratio(res, {"seconds": 1.5}) == 2.0  # pairs 1, 2, 3
     assert video.ratio({**res, "paired_base_seconds": None}, {"seconds": 1.5}) == pytest.approx(4 / 3)
+
+
+def test_full_warmup_warms_each_codec_up_on_a_full_length_rollout(tmp_path):
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["bench", "video", "--tiny", "--frames", "6", "--repeats", "1", "--model", "causvid", "--codecs", "identity",
+            "--json", str(out)]
+    assert main(argv) == 0
+    assert [r["warmup_frames"] for r in json.loads(out.read_text())] == [6, 6]  # two blocks of 3 frames
+    assert main([*argv[:-2], "--frames", "9", "--full-warmup", "--json", str(out)]) == 0
+    assert [r["warmup_frames"] for r in json.loads(out.read_text())] == [9, 9]

@@ -4,12 +4,12 @@ The performance check of docs/perf.md: 21 latent frames at 480x832 (60x104 laten
 chunk-wise CausVid loop and the frame-wise Causal Forcing loop (21 one-frame blocks), every codec of the demo's list
 at 2 and 4 bits (OCTOPUS, OScaR, TurboQuant-MSE, KIVI, QVG), each codec's wall time as a ratio to the bf16 cache
 measured in the same process on the same loop, measured KV bytes, KV x, peak KV and peak CUDA memory. The model is
-built once and serves every loop and codec; every (loop, codec) is warmed up once on a two-block rollout first
-(Triton compilation stays out of the timings); each rollout is then timed `--repeats` times and the median reported
-(run-to-run spread on the H200 is a few per cent; with `--paired`, each timed codec rollout follows a baseline
-rollout and the ratio is the median of the pairs'). Random weights: the quality columns only show that the rollouts
-differ, not how much a real model would. `--tiny` runs the tiny DiT on the CPU instead (the tests: the rows, and
-identity bit-exact with the native cache).
+built once and serves every loop and codec; every (loop, codec) is warmed up once on a two-block rollout first, or a
+full-length one with `--full-warmup` (Triton compilation stays out of the timings); each rollout is then timed
+`--repeats` times and the median reported (run-to-run spread on the H200 is a few per cent; with `--paired`, each
+timed codec rollout follows a baseline rollout and the ratio is the median of the pairs'). Random weights: the
+quality columns only show that the rollouts differ, not how much a real model would. `--tiny` runs the tiny DiT on
+the CPU instead (the tests: the rows, and identity bit-exact with the native cache).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed rollouts per codec and frame count; the median is reported (default 3)")
     parser.add_argument("--paired", action="store_true", help=PAIRED_HELP)
+    parser.add_argument("--full-warmup", action="store_true",
+                        help="warm each (loop, codec) up on a rollout of the largest frame count instead of two blocks "
+                             "(the first full-length rollout after a two-block warm-up ran slow in runs L and M, "
+                             "docs/perf.md; costs one more full rollout per codec)")
     parser.add_argument("--profile", action="store_true",
                         help="also run one rollout per codec (largest frame count) under torch.profiler and report GPU "
                              "kernel seconds, kernel launches and host syncs next to the wall time")
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         for codec in [None, *codecs]:
             try:
                 warm = time.perf_counter()
-                one(preset, codec, preset.frames_per_block * 2)  # warm-up: kernel compilation, allocator
+                warm_frames = max(frame_counts) if args.full_warmup else preset.frames_per_block * 2
+                one(preset, codec, warm_frames)  # warm-up: kernel compilation, allocator
                 warm = time.perf_counter() - warm
                 for frames in frame_counts:
                     runs, paired = timed(lambda: one(preset, codec, frames), args.repeats,
@@ -167,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                     res["all_seconds"] = [r["seconds"] for r in runs]
                     res["paired_base_seconds"] = paired
                     res["warmup_s"], warm = warm, 0.0  # the warm-up is counted in the first frame count's row
+                    res["warmup_frames"] = warm_frames
                     res["seconds"] = statistics.median(res["all_seconds"])
                     del runs
                     if codec is None:
@@ -304,7 +310,7 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
         "seconds": round(res["seconds"], 3), "ratio_to_bf16": round(ratio(res, base), 3),
         "all_seconds": [round(x, 3) for x in res.get("all_seconds", [res["seconds"]])],
         "paired_bf16_seconds": [round(x, 3) for x in res.get("paired_base_seconds") or []] or None,
-        "warmup_s": round(res.get("warmup_s", 0.0), 3),
+        "warmup_s": round(res.get("warmup_s", 0.0), 3), "warmup_frames": res.get("warmup_frames"),
         "kv_bytes": res["kv_bytes"], "bf16_kv_bytes": res["bf16_kv_bytes"], "kv_ratio": round(kvx, 3),
         "k_bits": s.get("k_effective_bits"), "v_bits": s.get("v_effective_bits"),
         "peak_kv_bytes": res["peak_kv_bytes"], "peak_cuda_bytes": res["peak_cuda"],
