@@ -591,7 +591,7 @@ def test_dit_stage_trains_with_an_object_weight(stages, tmp_path):
     assert all(np.isfinite(v) for _, v in rec["loss_curve"])
 
 
-def test_deepen_keeps_the_function_and_refuses_a_depth_that_is_not_a_multiple():
+def test_deepen_keeps_the_function_and_refuses_a_shallower_depth():
     from mmkv.pipelines.wan.model import CausalWan
 
     cfg = train.get_config("micro", dit={**train.get_config("micro").dit, "num_layers": 2})
@@ -612,8 +612,17 @@ def test_deepen_keeps_the_function_and_refuses_a_depth_that_is_not_a_multiple():
         b = train.first_block_flow(deep, x, t, ctx)
     assert torch.equal(a, b)  # each copy adds exact zeros to the residual stream
     assert train.deepen(dit, 2) is dit
-    with pytest.raises(ValueError, match="dit_layers=3: the init's DiT has 2 layers; give a multiple of 2"):
-        train.deepen(dit, 3)
+    with pytest.raises(ValueError, match="dit_layers=1: the init's DiT has 2 layers; give at least 2"):
+        train.deepen(dit, 1)
+    odd = train.deepen(dit, 3)  # one extra block over two: block 1 gets the copy
+    odd_sd = odd.transformer.state_dict()
+    assert odd.num_layers == 3
+    assert torch.equal(odd_sd["blocks.0.attn1.to_q.weight"], sd["blocks.0.attn1.to_q.weight"])
+    assert torch.equal(odd_sd["blocks.1.attn1.to_q.weight"], sd["blocks.1.attn1.to_q.weight"])
+    assert torch.equal(odd_sd["blocks.2.attn1.to_q.weight"], sd["blocks.1.attn1.to_q.weight"])
+    assert odd_sd["blocks.1.ffn.net.2.weight"].any() and not odd_sd["blocks.2.ffn.net.2.weight"].any()
+    with torch.no_grad():
+        assert torch.equal(train.first_block_flow(odd, x, t, ctx), a)
 
 
 def test_dit_stage_deepens_its_init_and_the_release_says_so(stages, tmp_path):

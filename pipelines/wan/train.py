@@ -237,9 +237,11 @@ _BLOCK_OUTPUTS = ("attn1.to_out.0.weight", "attn1.to_out.0.bias", "attn2.to_out.
 
 def deepen(dit, layers: int):
     """`dit` (a `CausalWan`) with `layers` blocks by block expansion (Wu et al. 2024, "LLaMA Pro: Progressive
-    LLaMA with Block Expansion", "Block Expansion"): each block is followed by `layers / num_layers - 1` copies of
-    itself whose output projections are zeroed, so the deeper model computes the same function as `dit` and the
-    copies, whose inputs already see trained features, learn from there. Unlike LLaMA Pro every block trains."""
+    LLaMA with Block Expansion", "Block Expansion"): blocks are followed by copies of themselves whose output
+    projections are zeroed, so the deeper model computes the same function as `dit` and the copies, whose inputs
+    already see trained features, learn from there. The `layers - num_layers` copies are spread evenly (block i gets
+    floor((i + 1) e / n) - floor(i e / n) of e extra over n blocks: 4 -> 6 copies blocks 1 and 3, as LLaMA Pro
+    spreads its added blocks over the stack). Unlike LLaMA Pro every block trains."""
     import re
 
     from diffusers import WanTransformer3DModel
@@ -249,10 +251,12 @@ def deepen(dit, layers: int):
     old = dit.num_layers
     if layers == old:
         return dit
-    if layers < old or layers % old:
-        raise ValueError(f"dit_layers={layers}: the init's DiT has {old} layers; give a multiple of {old} "
-                         f"(each block is followed by copies of itself)")
-    k = layers // old
+    if layers < old:
+        raise ValueError(f"dit_layers={layers}: the init's DiT has {old} layers; give at least {old} "
+                         f"(blocks are followed by copies of themselves, never removed)")
+    extra = layers - old
+    copies = [(i + 1) * extra // old - i * extra // old for i in range(old)]  # per block, summing to `extra`
+    first = [i + sum(copies[:i]) for i in range(old)]  # where block i lands in the deeper stack
     config = {key: v for key, v in dict(dit.transformer.config).items() if not key.startswith("_")}
     state = {}
     for key, value in dit.transformer.state_dict().items():
@@ -261,8 +265,8 @@ def deepen(dit, layers: int):
             state[key] = value
             continue
         i, rest = int(m.group(1)), m.group(2)
-        for r in range(k):
-            state[f"blocks.{i * k + r}.{rest}"] = value.clone().zero_() if r and rest in _BLOCK_OUTPUTS else value
+        for r in range(1 + copies[i]):
+            state[f"blocks.{first[i] + r}.{rest}"] = value.clone().zero_() if r and rest in _BLOCK_OUTPUTS else value
     transformer = WanTransformer3DModel(**{**config, "num_layers": layers})
     transformer.load_state_dict(state, strict=True)
     return CausalWan(transformer.to(dit.device, dit.dtype)).train(dit.training)
