@@ -20,6 +20,8 @@ bits and 25 s at 4 bits). Before the VAE's convolutions went through oneDNN
 (`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer trellis states (`TCQ` below), the same demo
 took 281 s on one thread. With the fifth run's audio models beside it (`mmkv ship audio` into a temporary
 `mmkv/assets/audio/`), the whole demo took 151 s: CausVid 79 s, frame-wise 15 s, `compare audio` 36 s, report 15 s.
+With the nineteenth run's 6-layer DiT (and the shipped audio set) the CausVid run took 126 s on two threads and the
+demo 185 s; as two single-threaded rank processes, one prompt each (`_mmkv_ranks`), the CausVid run took 101 s.
 
 The audio half likewise uses the trained tiny audio models shipped in the package (`mmkv/assets/audio/`, the release
 `mmkv ship audio` writes, checked by `mmkv.assets.trained_audio_assets`) when they are installed and --random is not
@@ -165,7 +167,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch intra-op CPU threads (default: 1 for the random models, whose ops are too small "
                              "to gain from more and whose extra threads spin-wait on a busy machine; 2 for the "
-                             "trained video model, at most the CPUs there are; 0 = torch's default)")
+                             "trained video model, at most the CPUs there are, whose CPU runs of many codecs then "
+                             "go as that many single-threaded processes, one a prompt; 0 = torch's default, "
+                             "in one process)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -373,6 +377,68 @@ def _mmkv(argv: list[str], log: Path, *, step: str) -> float:
     return seconds
 
 
+# glibc's malloc settings of `_keep_freed_memory`, as environment variables for a child process (mallopt(3):
+# MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_).
+_KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_TOP_PAD_": str(64 << 20)}
+
+
+def _mmkv_ranks(argv: list[str], ranks: int, log: Path, *, step: str) -> float:
+    """`mmkv ARGV` as `ranks` processes at once, rank r of WORLD_SIZE `ranks` (the sharding of a `torchrun` sweep: each
+    rank renders the prompts i with i % ranks == r and writes its own manifest, which `mmkv report` merges), each on
+    one torch thread: on two cores two single-threaded rollouts at once beat one rollout on two threads (the trained
+    CausVid run 126 -> 94 s, docs/perf.md). `log` gets the command; rank r's output goes to LOG.rank{r}.log. A
+    failed rank fails the step with its log's tail; an interrupted step stops every rank."""
+    import os
+    import subprocess
+    import sys
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    rank_logs = [log.with_suffix(f".rank{r}.log") for r in range(ranks)]
+    log.write_text("$ mmkv " + shlex.join(argv) + f"\n\n{ranks} ranks, one torch thread each: "
+                   + ", ".join(str(p) for p in rank_logs) + "\n", encoding="utf-8")
+    t0 = time.perf_counter()
+    procs: list[subprocess.Popen] = []
+    try:
+        for r, rank_log in enumerate(rank_logs):
+            env = {**os.environ, **_KEEP_FREED_ENV, "RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r),
+                   "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            with open(rank_log, "w", encoding="utf-8") as f:
+                f.write("$ " + shlex.join([f"RANK={r}", f"WORLD_SIZE={ranks}", "mmkv", *argv]) + "\n\n")
+                f.flush()
+                procs.append(subprocess.Popen([sys.executable, "-m", "mmkv.cli", *argv], stdout=f,
+                                              stderr=subprocess.STDOUT, env=env))
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    seconds = time.perf_counter() - t0
+    for r, rc in enumerate(codes):
+        if rc != 0:
+            tail = "".join(rank_logs[r].read_text(encoding="utf-8").splitlines(keepends=True)[-20:])
+            raise UsageError(f"step '{step}' failed on rank {r} of {ranks} (exit {rc}): mmkv {shlex.join(argv)}\n"
+                             f"--- end of {rank_logs[r]} ---\n{tail}")
+    print(f"  {step:<46} {seconds:6.1f} s   (log: {log}, {ranks} ranks)", flush=True)
+    return seconds
+
+
+# A rank process pays about 6 s to start (imports, loading the model), what two or three trained rollouts gain from
+# running beside another: the frame-wise run's four rollouts took 20.6 s in this process and 24.7 s as two ranks.
+RANK_MIN_CODECS = 4
+
+
+def _video_ranks(plan: Plan, vm: VideoModel, trained: bool, device: str | None, threads: int) -> int:
+    """Processes for a trained video run: one a torch thread the demo was given (`threads`, 0 = torch's default:
+    one process), at most one a prompt, on a CPU only (a GPU runs one process) and for a run of at least
+    RANK_MIN_CODECS codecs; 1 = in this process."""
+    from mmkv.pipelines.common import parse_device
+
+    if not trained or len(plan.video_codecs(vm)) < RANK_MIN_CODECS or parse_device(device).type != "cpu":
+        return 1
+    return max(1, min(threads, plan.prompts))
+
+
 def _lpips_mode(choice: str) -> str:
     if choice != "auto":
         return choice
@@ -441,7 +507,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(before)
 
 
-def _set_threads(args: argparse.Namespace, trained: bool) -> None:
+def _set_threads(args: argparse.Namespace, trained: bool) -> int:
+    """Sets this process's torch threads from --threads (or the mode's default); returns the count (0: torch's
+    default, left as it is)."""
     import os
 
     import torch
@@ -451,6 +519,7 @@ def _set_threads(args: argparse.Namespace, trained: bool) -> None:
         threads = min(TRAINED_THREADS, os.cpu_count() or 1) if trained else 1
     if threads:
         torch.set_num_threads(threads)
+    return threads
 
 
 def _choose_models(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -502,7 +571,7 @@ def _run(args: argparse.Namespace) -> int:
 
     trained = _choose_models(args)
     audio = _choose_audio_models(args)
-    _set_threads(args, trained is not None)
+    threads = _set_threads(args, trained is not None)
     size_name = "quick" if args.quick else "full"
     plan = PLANS[f"trained-{size_name}" if trained else size_name]
     out = check_out_dir(args.out or (DEFAULT_OUT if trained else DEFAULT_OUT_RANDOM))  # also: read-only, under a file
@@ -510,7 +579,7 @@ def _run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _check_identity(out, _identity(plan, args.seed, trained, audio))
     with _keep_freed_memory(enabled=trained is not None):
-        return _render(args, plan, trained, out, audio)
+        return _render(args, plan, trained, out, audio, threads)
 
 
 def _models_line(trained: bool, audio: bool) -> str:
@@ -521,7 +590,7 @@ def _models_line(trained: bool, audio: bool) -> str:
 
 
 def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None, out: Path,
-            audio: dict[str, Any] | None = None) -> int:
+            audio: dict[str, Any] | None = None, threads: int = 1) -> int:
     from mmkv.pipelines.wan.tiny import TINY_VIDEO
 
     lpips = _lpips_mode(args.lpips)
@@ -545,12 +614,17 @@ def _render(args: argparse.Namespace, plan: Plan, trained: dict[str, Any] | None
         run_dir = out / "runs" / vm.preset
         # random: the tiny grid, 33 x 32 x 48 pixels -> 9 x 4 x 6 latents, 2 s at 16 fps; trained: 81 x 64 x 96
         # pixels -> 21 x 16 x 24 latents, 5 s
-        _mmkv(["generate", "video", "--model", vm.preset, "--ckpt", assets[vm.checkpoint], "--base",
-               assets["wan_base"], "--prompts", assets["prompts"],
-               "--codecs", ",".join(plan.video_codecs(vm)), "--frames", str(size["frames"]),
-               "--height", str(size["height"]), "--width", str(size["width"]), "--seed", str(args.seed),
-               "--out", str(run_dir), *reuse, *device],
-              logs / f"generate_video_{vm.preset}.log", step=f"generate video --model {vm.preset}")
+        argv = ["generate", "video", "--model", vm.preset, "--ckpt", assets[vm.checkpoint], "--base",
+                assets["wan_base"], "--prompts", assets["prompts"],
+                "--codecs", ",".join(plan.video_codecs(vm)), "--frames", str(size["frames"]),
+                "--height", str(size["height"]), "--width", str(size["width"]), "--seed", str(args.seed),
+                "--out", str(run_dir), *reuse, *device]
+        log, step = logs / f"generate_video_{vm.preset}.log", f"generate video --model {vm.preset}"
+        ranks = _video_ranks(plan, vm, trained is not None, args.device, threads)
+        if ranks > 1:
+            _mmkv_ranks(argv, ranks, log, step=step)
+        else:
+            _mmkv(argv, log, step=step)
         video_runs.append(run_dir)
     codecs = ",".join(plan.codecs)
     audio_run = out / "runs" / "audio"

@@ -247,3 +247,56 @@ def test_the_audio_bar_reads_the_aar_stages_held_out_rollouts(tmp_path, adherenc
     assert ready is used and f"adherence {adherence} on 64 held-out rollouts (a random AAR: 0.168)" in score
     (tmp_path / "train.json").unlink()
     assert mmkv.assets.demo_ready("audio", {"root": tmp_path})[0] is False
+
+
+def test_a_cpu_video_run_on_two_threads_is_two_single_threaded_ranks(trained, standin, tmp_path):
+    """With two torch threads on a CPU and at least `RANK_MIN_CODECS` codecs, a video run is two rank processes of one
+    thread, one prompt each (`_mmkv_ranks`): the report merges their manifests, and their rollouts are the in-process
+    run's up to float rounding (one thread's sums against two's)."""
+    out, _ = trained
+    ranked = tmp_path / "ranked"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mmkv.assets, "VIDEO_ASSETS", standin)
+        mp.setattr(mmkv.assets, "AUDIO_ASSETS", tmp_path / "no_audio")
+        mp.setattr(demo, "TRAINED_VIDEO", MICRO_VIDEO)
+        mp.setattr(demo, "RANK_MIN_CODECS", 1)
+        mp.setattr("os.cpu_count", lambda: 2)
+        rc, stdout, stderr = _demo("--quick", "--trained", "--seed", "1", "--out", str(ranked))
+    assert rc == 0, stdout + stderr
+    assert "2 ranks)" in stdout
+    run = ranked / "runs" / "causvid"
+    assert sorted(p.name for p in run.glob("manifest*.json")) == ["manifest.rank0.json", "manifest.rank1.json"]
+    for r in (0, 1):
+        assert f"RANK={r} WORLD_SIZE=2 mmkv generate video" in (ranked / "logs" / f"generate_video_causvid.rank{r}.log"
+                                                                ).read_text()
+    mine = sorted(p.relative_to(run) for p in run.glob("rollouts/*/*/frames.npy"))
+    assert mine == sorted(p.relative_to(out / "runs" / "causvid")
+                          for p in (out / "runs" / "causvid").glob("rollouts/*/*/frames.npy"))
+    for ref in [p for p in mine if p.parent.name == "reference"]:
+        a, b = np.load(run / ref).astype(np.float64), np.load(out / "runs" / "causvid" / ref).astype(np.float64)
+        assert np.abs(a - b).max() <= 0.02 * (255 if a.max() > 1 else 1), ref
+    table = json.loads((ranked / "report" / "table.json").read_text())
+    assert {r["preset"] for r in table["rows"]} == {r["preset"] for r in
+                                                     json.loads((out / "report" / "table.json").read_text())["rows"]}
+
+
+def test_a_failed_rank_fails_its_step_with_the_rank_log(tmp_path):
+    from mmkv.cli import UsageError
+
+    log = tmp_path / "logs" / "step.log"
+    with pytest.raises(UsageError, match=r"step 'x' failed on rank 0 of 2 \(exit 2\)(.|\n)*required: --ckpt"):
+        demo._mmkv_ranks(["generate", "video", "--model", "causvid", "--prompts", "p.txt", "--out", "o"], 2, log,
+                         step="x")
+    assert "2 ranks, one torch thread each" in log.read_text()
+    assert (tmp_path / "logs" / "step.rank1.log").is_file()
+
+
+def test_rank_processes_only_for_a_trained_cpu_run_of_many_codecs_and_several_threads():
+    full = demo.PLANS["trained-full"]
+    causvid, framewise = full.video  # every codec / OCTOPUS 2-bit alone
+    assert demo._video_ranks(full, causvid, True, "cpu", 2) == 2
+    assert demo._video_ranks(full, causvid, True, "cpu", 8) == full.prompts == 2  # at most one a prompt
+    assert demo._video_ranks(full, causvid, True, "cpu", 1) == 1
+    assert demo._video_ranks(full, causvid, True, "cpu", 0) == 1  # torch's default threads: one process
+    assert demo._video_ranks(full, causvid, False, "cpu", 2) == 1  # the random models' runs are short
+    assert demo._video_ranks(full, framewise, True, "cpu", 2) == 1  # too few rollouts to pay for starting a rank
