@@ -249,35 +249,36 @@ def test_the_audio_bar_reads_the_aar_stages_held_out_rollouts(tmp_path, adherenc
     assert mmkv.assets.demo_ready("audio", {"root": tmp_path})[0] is False
 
 
-def test_a_cpu_video_run_on_two_threads_is_two_single_threaded_ranks(trained, standin, tmp_path):
-    """With two torch threads on a CPU and at least `RANK_MIN_CODECS` codecs, a video run is two rank processes of one
-    thread, one prompt each (`_mmkv_ranks`): the report merges their manifests, and their rollouts are the in-process
-    run's up to float rounding (one thread's sums against two's)."""
+def test_a_video_run_as_two_single_threaded_ranks_renders_the_in_process_rollouts(trained, tmp_path):
+    """`_mmkv_ranks` runs the demo's `generate video` command as two rank processes of one thread, one prompt each:
+    their rollouts are the in-process run's up to float rounding (one thread's sums against two's), and `mmkv
+    report` merges their manifests into the same rows."""
+    import shlex
+
     out, _ = trained
-    ranked = tmp_path / "ranked"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mmkv.assets, "VIDEO_ASSETS", standin)
-        mp.setattr(mmkv.assets, "AUDIO_ASSETS", tmp_path / "no_audio")
-        mp.setattr(demo, "TRAINED_VIDEO", MICRO_VIDEO)
-        mp.setattr(demo, "RANK_MIN_CODECS", 1)
-        mp.setattr("os.cpu_count", lambda: 2)
-        rc, stdout, stderr = _demo("--quick", "--trained", "--seed", "1", "--out", str(ranked))
-    assert rc == 0, stdout + stderr
-    assert "2 ranks)" in stdout
-    run = ranked / "runs" / "causvid"
+    first = (out / "logs" / "generate_video_causvid.log").read_text().splitlines()[0]
+    argv = shlex.split(first.removeprefix("$ mmkv "))
+    run = tmp_path / "ranked"
+    argv[argv.index("--out") + 1] = str(run)
+    log = tmp_path / "logs" / "generate.log"
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        demo._mmkv_ranks(argv, 2, log, step="generate")
+    assert "2 ranks)" in said.getvalue()
     assert sorted(p.name for p in run.glob("manifest*.json")) == ["manifest.rank0.json", "manifest.rank1.json"]
     for r in (0, 1):
-        assert f"RANK={r} WORLD_SIZE=2 mmkv generate video" in (ranked / "logs" / f"generate_video_causvid.rank{r}.log"
-                                                                ).read_text()
+        assert f"RANK={r} WORLD_SIZE=2 mmkv generate video" in (tmp_path / "logs" / f"generate.rank{r}.log").read_text()
+    before = out / "runs" / "causvid"
     mine = sorted(p.relative_to(run) for p in run.glob("rollouts/*/*/frames.npy"))
-    assert mine == sorted(p.relative_to(out / "runs" / "causvid")
-                          for p in (out / "runs" / "causvid").glob("rollouts/*/*/frames.npy"))
+    assert mine == sorted(p.relative_to(before) for p in before.glob("rollouts/*/*/frames.npy")) and mine
     for ref in [p for p in mine if p.parent.name == "reference"]:
-        a, b = np.load(run / ref).astype(np.float64), np.load(out / "runs" / "causvid" / ref).astype(np.float64)
+        a, b = np.load(run / ref).astype(np.float64), np.load(before / ref).astype(np.float64)
         assert np.abs(a - b).max() <= 0.02 * (255 if a.max() > 1 else 1), ref
-    table = json.loads((ranked / "report" / "table.json").read_text())
-    assert {r["preset"] for r in table["rows"]} == {r["preset"] for r in
-                                                     json.loads((out / "report" / "table.json").read_text())["rows"]}
+    assert main(["report", str(run), "--format", "json", "--no-plots", "--lpips", "off", "--out",
+                 str(tmp_path / "report")]) == 0
+    rows = json.loads((tmp_path / "report" / "table.json").read_text())["rows"]
+    (vm,) = PLAN.video
+    assert {r["preset"] for r in rows} == {"reference"} | {
+        s.preset for s in parse_codec_list(",".join(PLAN.video_codecs(vm)), value_group=32)}
 
 
 def test_a_failed_rank_fails_its_step_with_the_rank_log(tmp_path):
