@@ -386,7 +386,7 @@ def _mmkv_ranks(argv: list[str], ranks: int, log: Path, *, step: str) -> float:
     """`mmkv ARGV` as `ranks` processes at once, rank r of WORLD_SIZE `ranks` (the sharding of a `torchrun` sweep: each
     rank renders the prompts i with i % ranks == r and writes its own manifest, which `mmkv report` merges), each on
     one torch thread: on two cores two single-threaded rollouts at once beat one rollout on two threads (the trained
-    CausVid run 126 -> 94 s, docs/perf.md). `log` gets the command; rank r's output goes to LOG.rank{r}.log. A
+    CausVid run 126 -> 94 s, docs/perf.md "Demo"). `log` gets the command; rank r's output goes to LOG.rank{r}.log. A
     failed rank fails the step with its log's tail; an interrupted step stops every rank."""
     import os
     import subprocess
