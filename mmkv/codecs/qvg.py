@@ -317,9 +317,11 @@ class QVGCodec(Codec):
         last = (cents_all[-1], ids_all[-1]) if self.stages else None
         tensors = quantize(residual, last)  # codes / scales / zeros of residual - C_last[id_last]
         tensors = {k: v.reshape(*lead, *v.shape[1:]) for k, v in tensors.items()}
-        if self.stages:
-            tensors["ids"] = torch.stack(ids_all).to(torch.uint8).reshape(self.stages, *lead, n)
-            tensors["centroids"] = torch.stack(cents_all).reshape(self.stages, *lead, self.centroids, d)
+        if self.stages:  # one stage (the default): no stack, whose copy would be one more launch an encode
+            ids = ids_all[0].unsqueeze(0) if self.stages == 1 else torch.stack(ids_all)
+            cents = cents_all[0].unsqueeze(0) if self.stages == 1 else torch.stack(cents_all)
+            tensors["ids"] = ids.to(torch.uint8).reshape(self.stages, *lead, n)
+            tensors["centroids"] = cents.reshape(self.stages, *lead, self.centroids, d)
         return Encoded(str(self.config), tuple(x.shape), x.dtype, tensors, meta={"kmeans_iters": iters})
 
     def _quantize_reference(self, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
