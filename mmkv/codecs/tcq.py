@@ -73,14 +73,16 @@ def step_widths(steps: int, k: int, hi: int) -> list[int]:
     return [k + w for w in hi_steps(steps, hi)]
 
 
-def _distances(ut: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def _distances(ut: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None,
+               scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Squared distances of one step's values ut [N, V] to every table row [S, V] -> [N, S], summed over V in order
-    (the Triton encoder adds in the same order)."""
-    e = ut[:, None, 0] - table[None, :, 0]
-    d = e * e
+    (the Triton encoder adds in the same order). `out` / `scratch`: [N, S] fp32 buffers to compute in (the result is
+    `out`), so that a trellis pass allocates nothing a step; each value is the same difference, square and sum."""
+    d = torch.sub(ut[:, None, 0], table[None, :, 0], out=out)
+    d.mul_(d)
     for v in range(1, table.shape[1]):
-        e = ut[:, None, v] - table[None, :, v]
-        d = d + e * e
+        e = torch.sub(ut[:, None, v], table[None, :, v], out=scratch)
+        d.add_(e.mul_(e))
     return d
 
 
@@ -90,17 +92,22 @@ def _trellis_pass(u: torch.Tensor, table: torch.Tensor, widths: list[int], L: in
 
     The predecessors of state s under a k-bit step are the 2^k states (j << (L - k)) | (s >> k); viewing the costs as
     [2^k, S / 2^k] puts them in one column. h [N]: the first state must start with the bits h (tail-biting); the
-    back-pointer of step t is the j of each column (ties: the lowest j), [N, S / 2^k]."""
+    back-pointer of step t is the j of each column (ties: the lowest j), [N, S / 2^k]. The costs live in two [N, S]
+    buffers used in turn (and a third for the distances' terms): a fresh 4 MB tensor a step cost the CPU a page
+    fault a 4 KB page wherever the allocator hands large blocks back to the system (3.5x slower at L = 10)."""
     n, steps, S = u.shape[0], u.shape[1], 1 << L
-    cost = _distances(u[:, 0], table)
+    dtype = torch.promote_types(u.dtype, table.dtype)
+    bufs = [torch.empty(n, S, dtype=dtype, device=u.device) for _ in range(3)]
+    cost = _distances(u[:, 0], table, bufs[0], bufs[2])
     if h is not None:
         first = torch.arange(S, device=u.device) >> widths[0]
-        cost = torch.where(first[None] == h[:, None], cost, torch.full_like(cost, _INF))
+        cost.masked_fill_(first[None] != h[:, None], _INF)
     back = []
     for t in range(1, steps):
         k = widths[t]
         best, arg = cost.view(n, 1 << k, S >> k).min(dim=1)
-        cost = (best.unsqueeze(-1) + _distances(u[:, t], table).view(n, S >> k, 1 << k)).view(n, S)
+        cost = _distances(u[:, t], table, bufs[t % 2], bufs[2])
+        cost.view(n, S >> k, 1 << k).add_(best.unsqueeze(-1))
         if keep:
             back.append(arg.to(torch.int16))
     return cost, back
