@@ -123,7 +123,7 @@ def kmeans(
         ids = assign(points, c, x_sq, sq_norms(c))
         new, _ = update(points, ids, c)
         if prev is not None:
-            stop = (ids != prev).double().mean() < tol
+            stop = torch.mean(ids != prev, dtype=torch.float64) < tol  # exact: a sum of 0s and 1s, / N
             if it + 1 == iters:
                 return ids, torch.where(stop, c, new), iters
             if stop.item():
