@@ -377,11 +377,6 @@ def _mmkv(argv: list[str], log: Path, *, step: str) -> float:
     return seconds
 
 
-# glibc's malloc settings of `_keep_freed_memory`, as environment variables for a child process (mallopt(3):
-# MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_).
-_KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_TOP_PAD_": str(64 << 20)}
-
-
 def _mmkv_ranks(argv: list[str], ranks: int, log: Path, *, step: str) -> float:
     """`mmkv ARGV` as `ranks` processes at once, rank r of WORLD_SIZE `ranks` (the sharding of a `torchrun` sweep: each
     rank renders the prompts i with i % ranks == r and writes its own manifest, which `mmkv report` merges), each on
@@ -462,6 +457,14 @@ def _check_identity(out: Path, want: dict[str, Any]) -> None:
         atomic_write_json(path, want)
 
 
+# glibc's malloc settings while the demo runs (mallopt(3)): every block from the heap, which keeps what is freed
+# unless over 1 GiB is free at its top; the same as environment variables (MALLOC_<NAME>_) for child processes.
+_KEEP_FREED = {"MMAP_MAX": 0, "TRIM_THRESHOLD": 1 << 30, "TOP_PAD": 64 << 20}
+_GLIBC_DEFAULTS = {"MMAP_MAX": 65536, "TRIM_THRESHOLD": 128 << 10, "TOP_PAD": 128 << 10}
+_MALLOPT = {"TRIM_THRESHOLD": -1, "TOP_PAD": -2, "MMAP_MAX": -4}  # glibc's malloc.h
+_KEEP_FREED_ENV = {f"MALLOC_{name}_": str(value) for name, value in _KEEP_FREED.items()}
+
+
 @contextlib.contextmanager
 def _keep_freed_memory(enabled: bool):
     """Let glibc keep freed memory for reuse instead of handing it back to the kernel, while the block runs. At the
@@ -475,18 +478,15 @@ def _keep_freed_memory(enabled: bool):
         mallopt = ctypes.CDLL(None).mallopt if enabled else None
     except (OSError, AttributeError):
         mallopt = None
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # glibc's malloc.h
     if mallopt is not None:
-        mallopt(m_mmap_max, 0)  # every block from the heap, which keeps what is freed ...
-        mallopt(m_trim_threshold, 1 << 30)  # ... unless over 1 GiB is free at its top
-        mallopt(m_top_pad, 64 << 20)
+        for name, value in _KEEP_FREED.items():
+            mallopt(_MALLOPT[name], value)
     try:
         yield
     finally:
-        if mallopt is not None:  # glibc's defaults (mallopt(3))
-            mallopt(m_mmap_max, 65536)
-            mallopt(m_trim_threshold, 128 << 10)
-            mallopt(m_top_pad, 128 << 10)
+        if mallopt is not None:
+            for name, value in _GLIBC_DEFAULTS.items():
+                mallopt(_MALLOPT[name], value)
 
 
 # The trained video model's ops are large enough for a second thread: on two idle cores its CausVid run took 108 s

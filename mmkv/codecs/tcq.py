@@ -76,8 +76,9 @@ def step_widths(steps: int, k: int, hi: int) -> list[int]:
 def _distances(ut: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None,
                scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Squared distances of one step's values ut [N, V] to every table row [S, V] -> [N, S], summed over V in order
-    (the Triton encoder adds in the same order). `out` / `scratch`: [N, S] fp32 buffers to compute in (the result is
-    `out`), so that a trellis pass allocates nothing a step; each value is the same difference, square and sum."""
+    (the Triton encoder adds in the same order). `out` / `scratch`: [N, S] buffers of the result's dtype to compute in
+    (the result is `out`), so that a trellis pass allocates nothing a step; each value is the same difference, square
+    and sum."""
     d = torch.sub(ut[:, None, 0], table[None, :, 0], out=out)
     d.mul_(d)
     for v in range(1, table.shape[1]):
@@ -94,7 +95,8 @@ def _trellis_pass(u: torch.Tensor, table: torch.Tensor, widths: list[int], L: in
     [2^k, S / 2^k] puts them in one column. h [N]: the first state must start with the bits h (tail-biting); the
     back-pointer of step t is the j of each column (ties: the lowest j), [N, S / 2^k]. The costs live in two [N, S]
     buffers used in turn (and a third for the distances' terms): a fresh 4 MB tensor a step cost the CPU a page
-    fault a 4 KB page wherever the allocator hands large blocks back to the system (3.5x slower at L = 10)."""
+    fault a 4 KB page wherever the allocator hands large blocks back to the system (up to 6.7x slower at L = 10 on
+    two threads, docs/perf.md "Demo")."""
     n, steps, S = u.shape[0], u.shape[1], 1 << L
     dtype = torch.promote_types(u.dtype, table.dtype)
     bufs = [torch.empty(n, S, dtype=dtype, device=u.device) for _ in range(3)]
