@@ -22,6 +22,8 @@ the repository keeps in `mmkv/assets/video/` with its `train.json` (docs/decisio
 committed at the end of every session that trains them"), is such an init. Seeds: stage k of a lane draws with
 `--seed + k`. `--start-at dit,aar` (or `sat`) trains a lane's later stages only, the earlier stages' models taken
 from its init as they are, so that a run fits one 10-minute device call (docs/training.md, "One run a device call").
+`--stop-after vae --vae-decoder-only` fine-tunes the video init's VAE decoder alone and scores the init's DiT with
+it (`DIR/video/vae/release/`, a set `mmkv ship video` takes); `--stop-after dit` scores the teacher.
 """
 
 from __future__ import annotations
@@ -47,15 +49,21 @@ INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}  # (an audio rele
 # init holds every model of its lane). Distillation is not one: it needs a teacher, and a distill output holds the
 # student.
 START_AT = {"video": ("dit",), "audio": ("sat", "aar")}
+# `--stop-after`: the stages a lane may end with, its eval scoring that stage's release: the teacher (`dit`), or a
+# decoder-only `vae` stage's (the init's DiT with the new decoder, `VAE_RELEASE` in the stage's folder).
+STOP_AFTER = {"video": ("vae", "dit")}
+VAE_RELEASE = "release"
 # Share of --budget each stage trains for. Video: the VAE and the DiT are the long stages (docs/training.md, the
 # fifth and sixth runs); eval runs after, unbudgeted (one prompt at a time, 6 of its 12 runs took 9 minutes on the
 # seventh run's shared H200; it now rolls out 32 prompts together). Audio: the SAT is the long one.
 SHARES = {"vae": 0.33, "dit": 0.45, "distill": 0.16, "clap": 0.08, "sat": 0.5, "aar": 0.36}
 
 
-def parse_shares(text: str | None, start_at: dict[str, str] | None = None) -> dict[str, float]:
+def parse_shares(text: str | None, start_at: dict[str, str] | None = None,
+                 stop_after: dict[str, str] | None = None) -> dict[str, float]:
     """SHARES with `--shares STAGE=FRACTION,...` in place of the named stages' defaults; the shares of the stages each
-    lane trains (all, or those from its `--start-at` stage on) must add up to at most 1 (its budget)."""
+    lane trains (all, or those from its `--start-at` stage on, up to its `--stop-after` stage) must add up to at most
+    1 (its budget)."""
     shares = dict(SHARES)
     for item in filter(None, (x.strip() for x in (text or "").split(","))):
         stage, _, value = item.partition("=")
@@ -68,7 +76,7 @@ def parse_shares(text: str | None, start_at: dict[str, str] | None = None) -> di
                              "0 < FRACTION <= 1")
         shares[stage] = share
     for lane in STAGES:
-        total = sum(shares[s] for s in lane_stages(lane, start_at))
+        total = sum(shares[s] for s in lane_stages(lane, start_at, stop_after))
         if total > 1 + 1e-9:
             raise ValueError(f"--shares: the {lane} lane's stages take {total:.2f} of the budget; at most 1")
     return shares
@@ -93,10 +101,37 @@ def parse_start_at(text: str | None, inits: dict[str, str | None], lanes: list[s
     return start
 
 
-def lane_stages(lane: str, start_at: dict[str, str] | None) -> tuple[str, ...]:
-    """The stages a lane trains: all of them, or those from its `--start-at` stage on."""
+def parse_stop_after(text: str | None, lanes: list[str], start_at: dict[str, str],
+                     decoder_only: bool) -> dict[str, str]:
+    """`--stop-after STAGE`: {lane: the stage it ends with}."""
+    stop: dict[str, str] = {}
+    for stage in filter(None, (x.strip() for x in (text or "").split(","))):
+        lane = next((ln for ln, stages in STOP_AFTER.items() if stage in stages), None)
+        if lane is None:
+            names = ", ".join(s for v in STOP_AFTER.values() for s in v)
+            raise ValueError(f"--stop-after {stage!r}: expected one of {names} (a lane's last stage needs no "
+                             "--stop-after)")
+        if lane in stop:
+            raise ValueError(f"--stop-after names two {lane} stages ({stop[lane]}, {stage}); give at most one a lane")
+        if lane not in lanes:
+            raise ValueError(f"--stop-after {stage}: the {lane} lane is not run (--lanes {','.join(lanes)})")
+        if stage == "vae" and not decoder_only:
+            raise ValueError("--stop-after vae keeps the --video-init's DiT, which is valid only on the latents it "
+                             "learned: give --vae-decoder-only (the encoder stays) or let the dit stage run")
+        first = start_at.get(lane)
+        if first and STAGES[lane].index(stage) < STAGES[lane].index(first):
+            raise ValueError(f"--stop-after {stage} comes before --start-at {first}; the {lane} lane would train "
+                             "nothing")
+        stop[lane] = stage
+    return stop
+
+
+def lane_stages(lane: str, start_at: dict[str, str] | None,
+                stop_after: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The stages a lane trains: all of them, or those from its `--start-at` stage on, up to its `--stop-after`."""
     stages = STAGES[lane]
-    first = (start_at or {}).get(lane)
+    first, last = (start_at or {}).get(lane), (stop_after or {}).get(lane)
+    stages = stages[:stages.index(last) + 1] if last else stages
     return stages[stages.index(first):] if first else stages
 
 
@@ -115,8 +150,9 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
     device = ["--device", args.device] if args.device else []
     steps: list[tuple[str, Path, list[str]]] = []
     previous: Path | None = None
-    trained = lane_stages(lane, getattr(args, "start_at_lanes", None))
-    shares = parse_shares(getattr(args, "shares", None), getattr(args, "start_at_lanes", None))
+    stop_after = getattr(args, "stop_after_lanes", None)
+    trained = lane_stages(lane, getattr(args, "start_at_lanes", None), stop_after)
+    shares = parse_shares(getattr(args, "shares", None), getattr(args, "start_at_lanes", None), stop_after)
     if len(trained) < len(STAGES[lane]):
         previous = Path(init)  # the init stands for the stages before --start-at (it holds their models)
     for k, stage in enumerate(STAGES[lane]):
@@ -138,6 +174,8 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
         cmd += (getattr(args, "replay_pins", None) or {}).get(stage, [])
         steps.append((stage, folder, cmd))
         previous = folder
+    if previous is not None and previous.name == "vae" and lane == "video":  # --stop-after vae: its release
+        previous = previous / VAE_RELEASE
     if lane == "video" and args.eval_prompts:
         from mmkv.pipelines.wan.train import get_config
 
@@ -249,7 +287,7 @@ def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]
 
     pins: dict[str, list[str]] = {}
     for lane in lanes:
-        for stage in lane_stages(lane, plan.get("start_at")):
+        for stage in lane_stages(lane, plan.get("start_at"), plan.get("stop_after")):
             rec = _read(run / lane / stage / "train.json")
             if rec is None:
                 raise ValueError(f"--replay {run}: its {lane} stage {stage!r} did not finish (no {lane}/{stage}/"
@@ -278,6 +316,7 @@ def apply_replay(args: argparse.Namespace) -> None:
                                       ("--video-set", args.video_set), ("--audio-set", args.audio_set),
                                       ("--vae-decoder-only", args.vae_decoder_only), ("--seed", args.seed != 0),
                                       ("--start-at", getattr(args, "start_at", None)),
+                                      ("--stop-after", getattr(args, "stop_after", None)),
                                       ("--config", args.config != "tiny")) if value]
     if given:
         raise ValueError(f"--replay takes every setting from {run}/plan.json; give only --out, --lanes, --device and "
@@ -307,6 +346,7 @@ def apply_replay(args: argparse.Namespace) -> None:
         setattr(args, f"{lane}_set", list(plan["overrides"].get(lane, [])))
     args.vae_decoder_only = bool(plan.get("vae_decoder_only", False))
     args.start_at = ",".join(v for k, v in plan.get("start_at", {}).items() if k in lanes) or None
+    args.stop_after = ",".join(v for k, v in plan.get("stop_after", {}).items() if k in lanes) or None
     args.replay_pins = replay_pins(run, plan, lanes)
     args.replay_of = {"folder": str(run.resolve()), "plan_sha256": sha256_file(run / "plan.json")}
 
@@ -329,11 +369,13 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
     sets = {lane: list(getattr(args, f"{lane}_set")) for lane in lanes if getattr(args, f"{lane}_set")}
     return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
             "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None),
-                                                     getattr(args, "start_at_lanes", None)).items()
+                                                     getattr(args, "start_at_lanes", None),
+                                                     getattr(args, "stop_after_lanes", None)).items()
                        if v != SHARES[s]},
             "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets,
             **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {}),
             **({"start_at": args.start_at_lanes} if getattr(args, "start_at_lanes", None) else {}),
+            **({"stop_after": args.stop_after_lanes} if getattr(args, "stop_after_lanes", None) else {}),
             **({"replay_of": args.replay_of, "pins": args.replay_pins} if getattr(args, "replay_of", None) else {})}
 
 
@@ -381,6 +423,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start a lane at this stage (" + ", ".join(s for v in START_AT.values() for s in v) +
                              "), its earlier stages' models taken from its --video-init / --audio-init as they are: "
                              "a run that fits one 10-minute device call (docs/training.md)")
+    parser.add_argument("--stop-after", default=None, metavar="STAGE",
+                        help="end the video lane with this stage (" + ", ".join(STOP_AFTER["video"]) + ") and score "
+                             "its release: dit, the teacher; vae with --vae-decoder-only, the --video-init's DiT with "
+                             "the fine-tuned decoder (in DIR/video/vae/" + VAE_RELEASE + "/, a set to ship)")
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -409,7 +455,9 @@ def run(args: argparse.Namespace) -> int:
                                          {lane: getattr(args, f"{lane}_init") for lane in LANES}, lanes)
     if getattr(args, "vae_decoder_only", False) and "video" in args.start_at_lanes:
         raise ValueError("--vae-decoder-only trains the vae stage, which --start-at dit skips; give one of them")
-    parse_shares(args.shares, args.start_at_lanes)
+    args.stop_after_lanes = parse_stop_after(getattr(args, "stop_after", None), lanes, args.start_at_lanes,
+                                             getattr(args, "vae_decoder_only", False))
+    parse_shares(args.shares, args.start_at_lanes, args.stop_after_lanes)
     if args.eval_prompts < 0:
         raise ValueError(f"--eval-prompts must be >= 0, got {args.eval_prompts}")
     for lane in lanes:  # a bad config name or field fails here, not minutes later in a stage's process

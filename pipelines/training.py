@@ -329,12 +329,18 @@ def start_stage(args, first_stage: str, previous: dict[str, tuple[str, ...]] | N
     return StageRun(args.stage, device, out, source, init)
 
 
-def finish_stage(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
-    """Write `train.json` (config, seeds, folders, device, versions and the stage's statistics) last."""
-    record = {"stage": run.stage, "config": config, "seed": args.seed, "budget_s": args.budget,
-              "source": str(run.source) if run.source else None, "init": str(run.init) if run.init else None,
-              "device": device_name(run.device), "wall_seconds": round(time.perf_counter() - run.started, 2),
-              "versions": versions(), **stats}
+def stage_record(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """What `train.json` holds: config, seeds, folders, device, versions and the stage's statistics."""
+    return {"stage": run.stage, "config": config, "seed": args.seed, "budget_s": args.budget,
+            "source": str(run.source) if run.source else None, "init": str(run.init) if run.init else None,
+            "device": device_name(run.device), "wall_seconds": round(time.perf_counter() - run.started, 2),
+            "versions": versions(), **stats}
+
+
+def finish_stage(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any],
+                 record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write `train.json` (`stage_record`, or the `record` given) last: its presence marks the stage done."""
+    record = record if record is not None else stage_record(run, args, config, stats)
     atomic_write_json(run.out / "train.json", record)
     run.log(f"{run.stage}: done in {record['wall_seconds']} s -> {run.out}")
     return record

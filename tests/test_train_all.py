@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from mmkv.assets import trained_audio_assets
 from mmkv.cli import main
@@ -156,6 +157,56 @@ def test_vae_decoder_only_reaches_the_vae_stage_alone_and_needs_a_video_init(run
     assert main(_argv(tmp_path / "z", "--vae-decoder-only")) == 2
     assert "--vae-decoder-only fine-tunes an existing VAE's decoder: give --video-init" in capsys.readouterr().err
     assert not (tmp_path / "z").exists()
+
+
+def test_stop_after_vae_scores_and_ships_the_inits_dit_with_a_fine_tuned_decoder(run, tmp_path, capsys):
+    """`--vae-decoder-only --stop-after vae`: the decoder alone trains; the encoder (so the latents the DiT learned)
+    and the DiT are the init's, and the stage's release pairs them with the new decoder for the eval and `ship`."""
+    from safetensors.torch import load_file
+
+    init = run / "video" / "distill"
+    out = tmp_path / "dec"
+    argv = ["train", "all", "--out", str(out), "--config", "micro", "--device", "cpu", "--eval-prompts", "1",
+            "--lanes", "video", "--video-init", str(init), "--vae-decoder-only", "--stop-after", "vae"]
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "video").iterdir() if p.is_dir()) == ["vae"]
+    release = out / "video" / "vae" / "release"
+    assert (release / "causvid" / "model.pt").read_bytes() == (init / "causvid" / "model.pt").read_bytes()
+    for name in ("text_encoder", "tokenizer", "transformer"):
+        assert sorted(p.name for p in (release / "base" / name).iterdir()) == \
+            sorted(p.name for p in (init / "base" / name).iterdir())
+    before, after = (load_file(next((d / "base" / "vae").glob("*.safetensors"))) for d in (init, release))
+    assert before.keys() == after.keys()
+    kept = [k for k in before if not k.startswith(("decoder.", "post_quant_conv."))]
+    assert kept and all(torch.equal(before[k], after[k]) for k in kept)  # the encoder: the DiT's latents
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+    assert json.loads((release / "base" / "vae" / "config.json").read_text())["latents_mean"] == \
+        json.loads((init / "base" / "vae" / "config.json").read_text())["latents_mean"]
+    record = json.loads((release / "train.json").read_text())
+    vae_rec = json.loads((out / "video" / "vae" / "train.json").read_text())
+    assert record["stage"] == "distill" and [r["steps"] for r in record["vae_decoder_runs"]] == [vae_rec["steps"]]
+    assert vae_rec["decoder_only"] and vae_rec["release_bytes"] > 0
+    ev = json.loads((out / "video" / "eval.json").read_text())
+    assert ev["ckpt"]["sha256"] == sha256_file(init / "causvid" / "model.pt")
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["stop_after"] == {"video": "vae"}
+    assert train_all.replay_pins(out, plan, ["video"]).keys() == {"vae"}
+    shipped = tmp_path / "shipped"
+    assert main(["ship", "video", "--from", str(release), "--eval", str(out / "video" / "eval.json"),
+                 "--out", str(shipped)]) == 0
+    assert (shipped / "train.json").read_bytes() == (release / "train.json").read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 0 and capsys.readouterr().out.count("done already") == 2  # vae, eval
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--stop-after", "vae"], "--stop-after vae keeps the --video-init's DiT"),
+    (["--stop-after", "sat"], "--stop-after 'sat': expected one of vae, dit"),
+    (["--stop-after", "dit", "--lanes", "audio"], "the video lane is not run"),
+])
+def test_stop_after_names_what_it_needs(tmp_path, capsys, extra, match):
+    assert main(_argv(tmp_path / "x", *extra)) == 2
+    assert match in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):

@@ -58,6 +58,37 @@ def write_release(out: Path, cfg: VideoTrainConfig, *, vae, encoder, tokenizer, 
     return release_nbytes(out)
 
 
+def has_release(folder: Path | None) -> bool:
+    """Whether `folder` holds a whole release (`base/` with its VAE and `causvid/model.pt`)."""
+    return folder is not None and (folder / "causvid" / "model.pt").is_file() and \
+        (folder / "base" / "vae" / "config.json").is_file()
+
+
+def write_decoder_release(out: Path, vae_dir: Path, init: Path, record: dict) -> int:
+    """The release of a decoder-only `vae` stage whose init is a release (a `dit` or `distill` output, or a shipped
+    set), into `out`: the init's `base/` and `causvid/model.pt` with `base/vae` replaced by the VAE in `vae_dir` in
+    bf16. The encoder and its latent statistics are the init's, so the DiT, trained on those latents, goes with the
+    new decoder unchanged. Its `train.json` is the init's (the DiT's record, so that the release is an init and a
+    ship source like any distill output) with this stage's `record` appended to `vae_decoder_runs`. Written into a
+    hidden folder and renamed onto `out` at the end. Returns the release's bytes."""
+    from diffusers import AutoencoderKLWan
+
+    staging = out.with_name(f".{out.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    shutil.copytree(init / "base", staging / "base", ignore=shutil.ignore_patterns("vae"))
+    shutil.copytree(init / "causvid", staging / "causvid")
+    vae = AutoencoderKLWan.from_pretrained(vae_dir, torch_dtype=torch.float32, local_files_only=True)
+    save_pretrained(_to_cpu_bf16(vae), staging / "base" / "vae")
+    base_record = json.loads((init / "train.json").read_text())
+    base_record["vae_decoder_runs"] = [*base_record.get("vae_decoder_runs", []), record]
+    (staging / "train.json").write_text(json.dumps(base_record, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return release_nbytes(out)
+
+
 def release_nbytes(root: Path) -> int:
     """Bytes of a release's model files: everything under `root/base` and `root/causvid`."""
     return sum(p.stat().st_size for d in (root / "base", root / "causvid") for p in d.rglob("*") if p.is_file())

@@ -37,12 +37,12 @@ import torch.nn.functional as F
 from mmkv.io import save_pretrained
 from mmkv.pipelines.training import (
     add_stage_arguments, ema_update, finish_stage, frozen_copy, optimise, parse_overrides, pick_config, seeded,
-    start_stage, to_device,
+    stage_record, start_stage, to_device,
 )
 from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.model import TeacherForcing
 from mmkv.pipelines.wan.release import (  # noqa: F401  (write_release re-exported: train.write_release)
-    note_release_size, write_release)
+    has_release, note_release_size, write_decoder_release, write_release)
 
 STAGES = ("vae", "dit", "distill")
 
@@ -704,7 +704,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the previous stage's output folder (dit: the vae stage's; distill: the dit stage's)")
     parser.add_argument("--decoder-only", action="store_true",
                         help="vae stage with --init: train the decoder only; the encoder and its latent statistics "
-                             "stay, so a DiT trained on its latents stays valid")
+                             "stay, so a DiT trained on its latents stays valid (an init that is a release, a dit or "
+                             "distill output or a shipped set, also gives OUT/release: its DiT with the new decoder)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -718,6 +719,11 @@ def run(args: argparse.Namespace) -> int:
     common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
     if args.stage == "vae":
         stats = train_vae(cfg, st.out, decoder_only=args.decoder_only, **common)
+        if args.decoder_only and has_release(st.init):
+            # the init's DiT goes with the new decoder (same encoder, same latents): a release to score and ship
+            record = stage_record(st, args, cfg.to_dict(), stats)
+            stats["release_bytes"] = write_decoder_release(st.out / "release", st.out / "vae", st.init, record)
+            note_release_size(stats["release_bytes"], st.log)
     elif args.decoder_only:
         raise ValueError("--decoder-only applies to --stage vae only")
     elif args.stage == "dit":
