@@ -13,10 +13,10 @@ import torch
 from mmkv.pipelines.wan import scenes, train
 
 
-def _run(stage: str, out, source=None, steps=None, init=None, seed=0, decoder_only=False):
+def _run(stage: str, out, source=None, steps=None, init=None, seed=0, decoder_only=False, overrides=()):
     ns = argparse.Namespace(stage=stage, config="micro", source=str(source) if source else None, out=str(out),
                             seed=seed, budget=None, steps=steps, device="cpu", init=str(init) if init else None,
-                            decoder_only=decoder_only, overrides=[])
+                            decoder_only=decoder_only, overrides=list(overrides))
     assert train.run(ns) == 0
     return json.loads((out / "train.json").read_text())
 
@@ -472,6 +472,20 @@ def test_decoder_only_fine_tunes_the_decoder_of_a_release_and_keeps_its_latents(
         _run("vae", tmp_path / "vae3", steps=2, decoder_only=True)
     with pytest.raises(ValueError, match="--stage vae only"):
         _run("dit", tmp_path / "dit4", root / "vae", steps=2, decoder_only=True)
+
+    # vae_decoder_blend: the same training, then the decoder written part of the way from the init's
+    half = _run("vae", tmp_path / "half", steps=3, init=root / "dit", decoder_only=True,
+                overrides=["vae_decoder_blend=0.5"])
+    assert half["held_out_trained_psnr_db"] == rec["held_out_psnr_db"]  # the same steps on the same draws
+    h = AutoencoderKLWan.from_pretrained(tmp_path / "half" / "vae", local_files_only=True).state_dict()
+    assert all(torch.equal(o[k], h[k].to(o[k].dtype)) for k in enc)
+    moved = [k for k in dec if not torch.equal(o[k], n[k].to(o[k].dtype))]
+    for k in moved:
+        torch.testing.assert_close(h[k], 0.5 * (o[k].float() + n[k]), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="vae_decoder_blend=1.5: a number in"):
+        _run("vae", tmp_path / "bad", steps=2, init=root / "dit", decoder_only=True, overrides=["vae_decoder_blend=1.5"])
+    with pytest.raises(ValueError, match="give --decoder-only"):
+        _run("vae", tmp_path / "bad2", steps=2, init=root / "dit", overrides=["vae_decoder_blend=0.5"])
 
 
 def test_ema_warm_up_leaves_little_of_the_init_after_a_short_stage():

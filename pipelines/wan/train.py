@@ -125,6 +125,12 @@ class VideoTrainConfig:
     vae_warm_share: float = 0.0
     vae_warm_chunks: int = 2
     vae_warm_context: int = 19
+    # A decoder-only vae stage writes init + `vae_decoder_blend` x (trained - init) for the decoder's weights (1: the
+    # trained decoder). Interpolating a fine-tuned model's weights back towards its init keeps most of the fine-tune's
+    # gain and more of the init's robustness to inputs off the fine-tuning distribution (Wortsman et al. 2022,
+    # "Robust fine-tuning of zero-shot models", WiSE-FT, eq. 1): here the DiT's latents, which the decoder never
+    # saw; the twentieth run's decoder, trained alone, drew fewer of the DiT's objects (docs/training.md).
+    vae_decoder_blend: float = 1.0
     encode_batch: int = 32
     ode_batch: int = 256
     # Teacher trajectories of each kind, in place of the `ode_clips` split and of the budget's cut (-1: not pinned):
@@ -409,6 +415,9 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
     the init's latents stays valid; the decoder learns from the posterior mean."""
     if decoder_only and init is None:
         raise ValueError("--decoder-only fine-tunes an existing VAE's decoder: give --init, a folder holding a VAE")
+    if not 0 <= cfg.vae_decoder_blend <= 1 or (cfg.vae_decoder_blend != 1 and not decoder_only):
+        raise ValueError(f"vae_decoder_blend={cfg.vae_decoder_blend}: a number in [0, 1] that blends a decoder-only "
+                         "stage's decoder with its init's; give --decoder-only, or leave it at 1")
     vae = (_load_vae(init, device) if init else build_vae(cfg, seed).to(device)).train().requires_grad_(True)
     if decoder_only:
         vae.encoder.requires_grad_(False)
@@ -432,12 +441,24 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
         kl = posterior.kl().mean() / x[0].numel()
         return reconstruction_loss(rec, x, cfg.vae_object_weight) + cfg.vae_kl * kl
 
+    if decoder_only and cfg.vae_decoder_blend != 1:
+        start = {k: v.detach().clone() for k, v in vae.named_parameters() if v.requires_grad}
     params = [p for p in vae.parameters() if p.requires_grad]
     stats = optimise(params, loss_fn, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=cfg.warmup, budget_s=budget_s,
                      device=device, log=log, name="vae")
     vae.eval()
     if not decoder_only:
         set_latent_stats(vae, cfg, seed, device)
+    elif cfg.vae_decoder_blend != 1:
+        trained = vae_held_out(vae, scenes.held_out_seeds(16 if cfg.name != "micro" else 2), frames=cfg.frames,
+                               height=cfg.height, width=cfg.width, device=device, batch=cfg.encode_batch)
+        stats["held_out_trained_psnr_db"] = trained["psnr_db"]
+        log(f"vae: held-out PSNR {trained['psnr_db']} dB as trained; blended {cfg.vae_decoder_blend} of the way "
+            "from the init")
+        with torch.no_grad():
+            for k, p in vae.named_parameters():
+                if k in start:
+                    p.copy_(start[k] + cfg.vae_decoder_blend * (p - start[k]))
     held_out = vae_held_out(vae, scenes.held_out_seeds(16 if cfg.name != "micro" else 2), frames=cfg.frames,
                             height=cfg.height, width=cfg.width, device=device, batch=cfg.encode_batch)
     log(f"vae: held-out PSNR {held_out['psnr_db']} dB, on the object {held_out['object_psnr_db']} dB "
