@@ -153,7 +153,7 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
     stop_after = getattr(args, "stop_after_lanes", None)
     trained = lane_stages(lane, getattr(args, "start_at_lanes", None), stop_after)
     shares = parse_shares(getattr(args, "shares", None), getattr(args, "start_at_lanes", None), stop_after)
-    if len(trained) < len(STAGES[lane]):
+    if trained[0] != STAGES[lane][0]:
         previous = Path(init)  # the init stands for the stages before --start-at (it holds their models)
     for k, stage in enumerate(STAGES[lane]):
         if stage not in trained:

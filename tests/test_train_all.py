@@ -184,6 +184,7 @@ def test_stop_after_vae_scores_and_ships_the_inits_dit_with_a_fine_tuned_decoder
         json.loads((init / "base" / "vae" / "config.json").read_text())["latents_mean"]
     record = json.loads((release / "train.json").read_text())
     vae_rec = json.loads((out / "video" / "vae" / "train.json").read_text())
+    assert vae_rec["source"] is None and vae_rec["init"] == str(init)  # the first stage: no --from
     assert record["stage"] == "distill" and [r["steps"] for r in record["vae_decoder_runs"]] == [vae_rec["steps"]]
     assert vae_rec["decoder_only"] and vae_rec["release_bytes"] > 0
     ev = json.loads((out / "video" / "eval.json").read_text())
