@@ -200,6 +200,17 @@ def test_stop_after_vae_scores_and_ships_the_inits_dit_with_a_fine_tuned_decoder
     assert main(argv) == 0 and capsys.readouterr().out.count("done already") == 2  # vae, eval
 
 
+def test_stop_after_dit_scores_the_teacher(tmp_path):
+    args = argparse.Namespace(config="micro", seed=0, device="cpu", budget=100.0, eval_prompts=2, video_init=None,
+                              audio_init=None, video_set=[], audio_set=[], stop_after_lanes={"video": "dit"})
+    cmds = {name: cmd for name, _, cmd in train_all.lane_commands("video", tmp_path, args)}
+    assert list(cmds) == ["vae", "dit", "eval"]
+    assert cmds["eval"][cmds["eval"].index("--ckpt") + 1] == str(tmp_path / "video" / "dit" / "causvid")
+    assert "--from" not in cmds["vae"]
+    budgets = {name: float(cmd[cmd.index("--budget") + 1]) for name, cmd in cmds.items() if "--budget" in cmd}
+    assert budgets == {"vae": 33, "dit": 45}  # the stages it trains keep their shares
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--stop-after", "vae"], "--stop-after vae keeps the --video-init's DiT"),
     (["--stop-after", "sat"], "--stop-after 'sat': expected one of vae, dit"),
