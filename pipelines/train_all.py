@@ -82,39 +82,38 @@ def parse_shares(text: str | None, start_at: dict[str, str] | None = None,
     return shares
 
 
+def _stage_per_lane(flag: str, text: str | None, table: dict[str, tuple[str, ...]], lanes: list[str],
+                    hint: str) -> dict[str, str]:
+    """{lane: stage} from `flag STAGE[,STAGE]`, each stage one of `table`'s, at most one a lane, its lane run."""
+    picked: dict[str, str] = {}
+    for stage in filter(None, (x.strip() for x in (text or "").split(","))):
+        lane = next((ln for ln, stages in table.items() if stage in stages), None)
+        if lane is None:
+            names = ", ".join(s for v in table.values() for s in v)
+            raise ValueError(f"{flag} {stage!r}: expected one of {names} ({hint})")
+        if lane in picked:
+            raise ValueError(f"{flag} names two {lane} stages ({picked[lane]}, {stage}); give at most one a lane")
+        if lane not in lanes:
+            raise ValueError(f"{flag} {stage}: the {lane} lane is not run (--lanes {','.join(lanes)})")
+        picked[lane] = stage
+    return picked
+
+
 def parse_start_at(text: str | None, inits: dict[str, str | None], lanes: list[str]) -> dict[str, str]:
     """`--start-at STAGE[,STAGE]`: {lane: the stage it starts from}, for the lanes that skip their first stages."""
-    start: dict[str, str] = {}
-    for stage in filter(None, (x.strip() for x in (text or "").split(","))):
-        lane = next((ln for ln, stages in START_AT.items() if stage in stages), None)
-        if lane is None:
-            names = ", ".join(s for v in START_AT.values() for s in v)
-            raise ValueError(f"--start-at {stage!r}: expected one of {names} (a lane's first stage needs no "
-                             "--start-at; distill needs its teacher's run)")
-        if lane in start:
-            raise ValueError(f"--start-at names two {lane} stages ({start[lane]}, {stage}); give at most one a lane")
-        if lane not in lanes:
-            raise ValueError(f"--start-at {stage}: the {lane} lane is not run (--lanes {','.join(lanes)})")
+    start = _stage_per_lane("--start-at", text, START_AT, lanes,
+                            "a lane's first stage needs no --start-at; distill needs its teacher's run")
+    for lane, stage in start.items():
         if inits.get(lane) is None:
             raise ValueError(f"--start-at {stage}: the {lane} lane's earlier stages come from --{lane}-init; give it")
-        start[lane] = stage
     return start
 
 
 def parse_stop_after(text: str | None, lanes: list[str], start_at: dict[str, str],
                      decoder_only: bool) -> dict[str, str]:
     """`--stop-after STAGE`: {lane: the stage it ends with}."""
-    stop: dict[str, str] = {}
-    for stage in filter(None, (x.strip() for x in (text or "").split(","))):
-        lane = next((ln for ln, stages in STOP_AFTER.items() if stage in stages), None)
-        if lane is None:
-            names = ", ".join(s for v in STOP_AFTER.values() for s in v)
-            raise ValueError(f"--stop-after {stage!r}: expected one of {names} (a lane's last stage needs no "
-                             "--stop-after)")
-        if lane in stop:
-            raise ValueError(f"--stop-after names two {lane} stages ({stop[lane]}, {stage}); give at most one a lane")
-        if lane not in lanes:
-            raise ValueError(f"--stop-after {stage}: the {lane} lane is not run (--lanes {','.join(lanes)})")
+    stop = _stage_per_lane("--stop-after", text, STOP_AFTER, lanes, "a lane's last stage needs no --stop-after")
+    for lane, stage in stop.items():
         if stage == "vae" and not decoder_only:
             raise ValueError("--stop-after vae keeps the --video-init's DiT, which is valid only on the latents it "
                              "learned: give --vae-decoder-only (the encoder stays) or let the dit stage run")
@@ -122,7 +121,6 @@ def parse_stop_after(text: str | None, lanes: list[str], start_at: dict[str, str
         if first and STAGES[lane].index(stage) < STAGES[lane].index(first):
             raise ValueError(f"--stop-after {stage} comes before --start-at {first}; the {lane} lane would train "
                              "nothing")
-        stop[lane] = stage
     return stop
 
 
