@@ -151,3 +151,33 @@ def test_full_warmup_warms_each_codec_up_on_a_full_length_rollout(tmp_path):
     assert [r["warmup_frames"] for r in json.loads(out.read_text())] == [6, 6]  # two blocks of 3 frames
     assert main([*argv[:-2], "--frames", "9", "--full-warmup", "--json", str(out)]) == 0
     assert [r["warmup_frames"] for r in json.loads(out.read_text())] == [9, 9]
+
+
+def test_jobs_warm_every_codec_in_workers_first_and_keep_the_rows(tmp_path, capsys):
+    """`--jobs`: one worker process a codec runs its warm-up rollouts on every loop (`--warm-only`, with the bench's
+    settings) before the timed process starts; the rows are those of a run without workers."""
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["bench", "video", "--tiny", "--frames", "6", "--repeats", "1", "--model", "causvid", "--codecs",
+            "identity;turboquant-mse:b=4", "--jobs", "2", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "[warm] identity: compiled" in printed and "[warm] turboquant-mse:b=4: compiled" in printed
+    assert "[warm] 2 codecs in" in printed and "failed: none" in printed
+    rows = json.loads(out.read_text())
+    assert [r["codec"] for r in rows] == ["bf16 cache", "identity", "turboquant-mse:b=4"]
+    assert rows[1]["rel_latent_diff"] == 0.0 and rows[2]["rel_latent_diff"] > 0
+
+
+def test_a_failing_worker_is_reported_and_the_bench_goes_on():
+    import argparse
+
+    args = argparse.Namespace(model="causvid", frames="6", residual_window=1, latent_size=None, window=None, sink=0,
+                              tiny=True, full_warmup=False, no_merge=False, reuse_decoded=False, jobs=1)
+    lines = []
+    assert video.precompile(args, ["no-such-codec:b=2"], log=lines.append) == ["no-such-codec:b=2"]
+    assert "worker failed" in lines[0] and "no-such-codec" in lines[0] and "failed: no-such-codec:b=2" in lines[-1]
+    argv = video.worker_argv(args, "kivi:bits=2,group=32")
+    assert argv[1:6] == ["-m", "mmkv.cli", "bench", "video", "--warm-only"] and "--tiny" in argv
+    assert argv[argv.index("--codecs") + 1] == "kivi:bits=2,group=32" and "--full-warmup" not in argv

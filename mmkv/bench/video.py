@@ -6,7 +6,7 @@ at 2 and 4 bits (OCTOPUS, OScaR, TurboQuant-MSE, KIVI, QVG), each codec's wall t
 measured in the same process on the same loop, measured KV bytes, KV x, peak KV and peak CUDA memory. The model is
 built once and serves every loop and codec; every (loop, codec) is warmed up once on a two-block rollout first, or a
 full-length one with `--full-warmup` (Triton compilation stays out of the timings); each rollout is then timed
-`--repeats` times and the median reported (run-to-run spread on the H200 is a few per cent; with `--paired`, each
+`--repeats` times and the median reported (`--jobs N` compiles the kernels beforehand in N worker processes) (run-to-run spread on the H200 is a few per cent; with `--paired`, each
 timed codec rollout follows a baseline rollout and the ratio is the median of the pairs'). Random weights: the
 quality columns only show that the rollouts differ, not how much a real model would. `--tiny` runs the tiny DiT on
 the CPU instead (the tests: the rows, and identity bit-exact with the native cache).
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,7 +62,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count-syncs", action="store_true",
                         help="also run one rollout per codec (largest frame count) under torch.cuda's sync debug mode "
                              "and report how many host syncs torch ops made, by source line (cheaper than --profile)")
+    parser.add_argument("--jobs", type=int, default=0, metavar="N",
+                        help="first compile the kernels in N worker processes, one warm-up rollout of each codec on "
+                             "every loop (Triton's on-disk cache), so that the timed process only loads them: a cold "
+                             "compile of OCTOPUS's kernels took 80-90 s a preset (docs/perf.md, run Q); default 0")
+    parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
     parser.add_argument("--json", type=Path, help="write the rows here")
+
+
+def worker_argv(args: argparse.Namespace, codec: str) -> list[str]:
+    """The command line of the `--jobs` worker that warms `codec` up on every loop with the bench's settings."""
+    argv = [sys.executable, "-m", "mmkv.cli", "bench", "video", "--warm-only", "--model", args.model,
+            "--codecs", codec, "--frames", args.frames, "--residual-window", str(args.residual_window)]
+    for flag, value in (("--latent-size", args.latent_size), ("--window", args.window), ("--sink", args.sink)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, on in (("--tiny", args.tiny), ("--full-warmup", args.full_warmup), ("--no-merge", args.no_merge),
+                     ("--reuse-decoded", args.reuse_decoded)):
+        if on:
+            argv.append(flag)
+    return argv
+
+
+def precompile(args: argparse.Namespace, codecs: list[str], log=print) -> list[str]:
+    """Run the `--jobs` workers, at most args.jobs at a time; returns the codecs whose worker failed (the timed
+    process then compiles and reports them itself)."""
+    t0 = time.perf_counter()
+    todo, running, failed = list(codecs), [], []
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            codec = todo.pop(0)
+            running.append((codec, subprocess.Popen(worker_argv(args, codec), stdout=subprocess.PIPE,
+                                                    stderr=subprocess.STDOUT)))
+        for codec, proc in list(running):
+            if proc.poll() is None:
+                continue
+            running.remove((codec, proc))
+            tail = proc.stdout.read().decode(errors="replace")[-2000:]
+            if proc.returncode:
+                failed.append(codec)
+                log(f"[warm] {codec}: worker failed (exit {proc.returncode}):\n{tail}")
+            else:
+                log(f"[warm] {codec}: compiled ({time.perf_counter() - t0:.0f} s)")
+        time.sleep(0.1)
+    log(f"[warm] {len(codecs)} codecs in {time.perf_counter() - t0:.0f} s with {args.jobs} workers; failed: "
+        f"{', '.join(failed) or 'none'}")
+    return failed
 
 
 def _codecs(text: str) -> list[str]:
@@ -125,8 +172,12 @@ def run(args: argparse.Namespace) -> int:
                          "DiT on the CPU")
     h, w = _latent(args.latent_size, args.tiny)
     models, codecs, frame_counts = _models(args.model), _codecs(args.codecs), _frames(args.frames)
+    if args.jobs < 0:
+        raise ValueError(f"--jobs must be a worker count >= 0, got {args.jobs}")
     dev = torch.device("cuda" if cuda else "cpu")
     began = time.perf_counter()
+    if args.jobs and not args.warm_only:
+        precompile(args, codecs)
     dit, ctx, heads, head_dim, layers = _model(args.tiny, dev)
 
     def sync() -> None:
@@ -155,6 +206,12 @@ def run(args: argparse.Namespace) -> int:
                 "peak_kv_bytes": store.peak_nbytes, "peak_cuda": peak,
                 "peak_cuda_over_model": None if peak is None else peak - before}
 
+    if args.warm_only:  # a --jobs worker: each codec's warm-up rollout on every loop, nothing timed
+        for name in models:
+            preset = get_preset(name)
+            for codec in codecs:
+                one(preset, codec, max(frame_counts) if args.full_warmup else preset.frames_per_block * 2)
+        return 0
     rows = []
     for name in models:
         preset = get_preset(name)
