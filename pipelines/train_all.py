@@ -169,6 +169,8 @@ def lane_commands(lane: str, out: Path, args: argparse.Namespace) -> list[tuple[
             cmd += ["--set", item]
         if stage == "vae" and getattr(args, "vae_decoder_only", False):
             cmd += ["--decoder-only"]
+        if getattr(args, "deterministic", False):
+            cmd += ["--deterministic"]
         cmd += (getattr(args, "replay_pins", None) or {}).get(stage, [])
         steps.append((stage, folder, cmd))
         previous = folder
@@ -313,6 +315,7 @@ def apply_replay(args: argparse.Namespace) -> None:
     given = [flag for flag, value in (("--budget", args.budget), ("--shares", args.shares),
                                       ("--video-set", args.video_set), ("--audio-set", args.audio_set),
                                       ("--vae-decoder-only", args.vae_decoder_only), ("--seed", args.seed != 0),
+                                      ("--deterministic", getattr(args, "deterministic", False)),
                                       ("--start-at", getattr(args, "start_at", None)),
                                       ("--stop-after", getattr(args, "stop_after", None)),
                                       ("--config", args.config != "tiny")) if value]
@@ -343,6 +346,7 @@ def apply_replay(args: argparse.Namespace) -> None:
         setattr(args, f"{lane}_init", inits[lane])
         setattr(args, f"{lane}_set", list(plan["overrides"].get(lane, [])))
     args.vae_decoder_only = bool(plan.get("vae_decoder_only", False))
+    args.deterministic = bool(plan.get("deterministic", False))
     args.start_at = ",".join(v for k, v in plan.get("start_at", {}).items() if k in lanes) or None
     args.stop_after = ",".join(v for k, v in plan.get("stop_after", {}).items() if k in lanes) or None
     args.replay_pins = replay_pins(run, plan, lanes)
@@ -372,6 +376,7 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
                        if v != SHARES[s]},
             "device": args.device, "eval_prompts": args.eval_prompts, "inits": inits, "overrides": sets,
             **({"vae_decoder_only": True} if getattr(args, "vae_decoder_only", False) else {}),
+            **({"deterministic": True} if getattr(args, "deterministic", False) else {}),
             **({"start_at": args.start_at_lanes} if getattr(args, "start_at_lanes", None) else {}),
             **({"stop_after": args.stop_after_lanes} if getattr(args, "stop_after_lanes", None) else {}),
             **({"replay_of": args.replay_of, "pins": args.replay_pins} if getattr(args, "replay_of", None) else {})}
@@ -428,6 +433,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out prompts `eval video` scores after distillation (0: no eval)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="every stage with deterministic GPU kernels (`mmkv train video --help`), so that a "
+                             "--replay of the run on the same card and software repeats its weights byte for byte")
     parser.add_argument("--replay", default=None, metavar="RUN",
                         help="train again what the finished run RUN trained: its settings, its inits (checked; "
                              "--video-init / --audio-init say where they are now), no budget, and each stage pinned "

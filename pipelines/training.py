@@ -8,7 +8,9 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -223,6 +225,40 @@ def pick_config(configs: dict[str, Any], name: str, **overrides: Any) -> Any:
     return dataclasses.replace(cfg, **overrides)
 
 
+DETERMINISTIC_HELP = (
+    "deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN without autotuning, CUBLAS_WORKSPACE_CONFIG "
+    ":4096:8), so that a rerun on the same card and software repeats the weights byte for byte; an op with no "
+    "deterministic kernel still runs and is named in train.json (`deterministic`); slower")
+# torch's warning, with warn_only=True, for an op that has no deterministic kernel
+_NONDETERMINISTIC = "does not have a deterministic implementation"
+
+
+def deterministic_kernels(on: bool) -> list[str]:
+    """Switch torch to deterministic kernels (or back to the defaults: autotuned cuDNN, which the VAE's conv3d
+    shapes reward) and return the list that collects, while they are on, the ops that warned they have none."""
+    seen: list[str] = []
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call of the process
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        shown = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            text = str(message)
+            if _NONDETERMINISTIC in text and torch.are_deterministic_algorithms_enabled():
+                op = text.split(_NONDETERMINISTIC)[0].strip()
+                if op not in seen:
+                    seen.append(op)
+            shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
+        warnings.filterwarnings("always", message=f".*{_NONDETERMINISTIC}.*")
+    else:
+        torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on  # autotuning picks kernels by timing, which differs run to run
+    return seen
+
+
 def add_stage_arguments(parser, stages: tuple[str, ...], configs: dict[str, Any], source_help: str) -> None:
     parser.add_argument("--stage", required=True, choices=stages, help="which model to train (in this order)")
     parser.add_argument("--config", default="tiny", choices=sorted(configs), help="model shapes and settings")
@@ -238,6 +274,7 @@ def add_stage_arguments(parser, stages: tuple[str, ...], configs: dict[str, Any]
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override one config field (repeatable; recorded in train.json), e.g. warmup=200")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
 
 
 def _typed(old: Any, text: str) -> Any:
@@ -284,6 +321,8 @@ class StageRun:
     out: Path
     source: Path | None
     init: Path | None
+    deterministic: bool = False
+    nondeterministic_ops: list[str] = field(default_factory=list)  # ops that warned, with deterministic kernels on
     started: float = field(default_factory=time.perf_counter)
 
     def log(self, msg: str) -> None:
@@ -325,8 +364,8 @@ def start_stage(args, first_stage: str, previous: dict[str, tuple[str, ...]] | N
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True  # the VAE's conv3d shapes repeat every step
-    return StageRun(args.stage, device, out, source, init)
+    deterministic = bool(getattr(args, "deterministic", False))
+    return StageRun(args.stage, device, out, source, init, deterministic, deterministic_kernels(deterministic))
 
 
 def stage_record(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
@@ -334,7 +373,10 @@ def stage_record(run: StageRun, args, config: dict[str, Any], stats: dict[str, A
     return {"stage": run.stage, "config": config, "seed": args.seed, "budget_s": args.budget,
             "source": str(run.source) if run.source else None, "init": str(run.init) if run.init else None,
             "device": device_name(run.device), "wall_seconds": round(time.perf_counter() - run.started, 2),
-            "versions": versions(), **stats}
+            "versions": versions(),
+            **({"deterministic": {"ops_without_a_deterministic_kernel": list(run.nondeterministic_ops)}}
+               if run.deterministic else {}),
+            **stats}
 
 
 def finish_stage(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any],

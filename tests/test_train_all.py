@@ -343,3 +343,29 @@ def test_start_at_shares_the_budget_among_the_stages_it_trains(run, tmp_path, ca
     # the same shares for a run of every stage overfill its lanes (vae 0.33 + 1)
     assert main(_argv(tmp_path / "x", "--budget", 400, "--shares", "dit=0.6,distill=0.4,aar=1")) == 2
     assert "the video lane's stages take 1.33 of the budget" in capsys.readouterr().err
+
+
+def test_deterministic_reaches_every_stage_the_plan_and_its_replay(run, tmp_path, capsys):
+    args = argparse.Namespace(config="micro", seed=0, device="cpu", budget=None, eval_prompts=1, video_init=None,
+                              audio_init=None, video_set=[], audio_set=[], shares=None, deterministic=True)
+    cmds = [cmd for lane in train_all.LANES for _, _, cmd in train_all.lane_commands(lane, tmp_path, args)]
+    stages = [cmd for cmd in cmds if "--stage" in cmd]
+    assert len(stages) == 6 and all("--deterministic" in cmd for cmd in stages)
+    assert not any("--deterministic" in cmd for cmd in cmds if "--stage" not in cmd)  # the eval and the release
+    assert train_all.plan_record(args, list(train_all.LANES))["deterministic"] is True
+    args.deterministic = False
+    assert "deterministic" not in train_all.plan_record(args, list(train_all.LANES))  # earlier plans unchanged
+    # a replay takes the setting from the run's plan.json, and refuses it on the command line
+    copy = tmp_path / "det"
+    shutil.copytree(run, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    (copy / "plan.json").write_text(json.dumps({**plan, "deterministic": True}))
+    replay = argparse.Namespace(replay=str(copy), budget=None, shares=None, video_set=[], audio_set=[],
+                                vae_decoder_only=False, seed=0, config="tiny", lanes="video", video_init=None,
+                                audio_init=None, deterministic=False, device="cpu", eval_prompts=1)
+    train_all.apply_replay(replay)
+    assert replay.deterministic is True
+    assert all("--deterministic" in cmd for _, _, cmd in train_all.lane_commands("video", tmp_path / "r", replay)
+               if "--stage" in cmd)
+    assert main(["train", "all", "--out", str(tmp_path / "r2"), "--replay", str(run), "--deterministic"]) == 2
+    assert "(got --deterministic)" in capsys.readouterr().err

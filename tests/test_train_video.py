@@ -654,3 +654,43 @@ def test_dit_stage_deepens_its_init_and_the_release_says_so(stages, tmp_path):
     comps = load_wan(tmp_path / "dit" / "causvid", tmp_path / "dit" / "base", device="cpu")
     assert comps.dit.num_layers == 2
     assert json.loads((tmp_path / "dit" / "base" / "transformer" / "config.json").read_text())["num_layers"] == 2
+
+
+def test_deterministic_kernels_name_the_ops_without_one_and_switch_back():
+    """`--deterministic`: torch's deterministic algorithms on (warn-only), cuDNN without autotuning; an op that warns
+    it has no deterministic kernel is collected once, by name; off again restores the defaults."""
+    import warnings
+
+    from mmkv.pipelines.training import deterministic_kernels
+
+    try:
+        seen = deterministic_kernels(True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        for _ in range(2):
+            warnings.warn("scatter_add_cuda_kernel does not have a deterministic implementation, but you set "
+                          "'torch.use_deterministic_algorithms(True, warn_only=True)'.")
+        warnings.warn("another warning")
+        assert seen == ["scatter_add_cuda_kernel"]
+    finally:
+        deterministic_kernels(False)
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+
+
+def test_a_deterministic_stage_records_it_and_trains_the_same_weights_on_the_cpu(stages, tmp_path):
+    """On the CPU every kernel is deterministic already: the flag changes no weight, and train.json says it ran
+    with deterministic kernels and that no op lacked one."""
+    root = stages[0]
+    ns = argparse.Namespace(stage="vae", config="micro", source=None, out=str(tmp_path / "vae"), seed=0, budget=None,
+                            steps=None, device="cpu", init=None, decoder_only=False, overrides=[], deterministic=True)
+    try:
+        assert train.run(ns) == 0
+    finally:
+        from mmkv.pipelines.training import deterministic_kernels
+
+        deterministic_kernels(False)
+    rec = json.loads((tmp_path / "vae" / "train.json").read_text())
+    assert rec["deterministic"] == {"ops_without_a_deterministic_kernel": []}
+    assert "deterministic" not in json.loads((root / "vae" / "train.json").read_text())
+    made = sorted(p.relative_to(tmp_path / "vae") for p in (tmp_path / "vae").rglob("*.safetensors"))
+    assert made and all((tmp_path / "vae" / p).read_bytes() == (root / "vae" / p).read_bytes() for p in made)
