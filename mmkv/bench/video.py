@@ -6,8 +6,9 @@ at 2 and 4 bits (OCTOPUS, OScaR, TurboQuant-MSE, KIVI, QVG), each codec's wall t
 measured in the same process on the same loop, measured KV bytes, KV x, peak KV and peak CUDA memory. The model is
 built once and serves every loop and codec; every (loop, codec) is warmed up once on a two-block rollout first, or a
 full-length one with `--full-warmup` (Triton compilation stays out of the timings); each rollout is then timed
-`--repeats` times and the median reported (`--jobs N` compiles the kernels beforehand in N worker processes) (run-to-run spread on the H200 is a few per cent; with `--paired`, each
-timed codec rollout follows a baseline rollout and the ratio is the median of the pairs'). Random weights: the
+`--repeats` times and the median reported (run-to-run spread on the H200 is a few per cent; with `--paired`, each
+timed codec rollout follows a baseline rollout and the ratio is the median of the pairs'). `--jobs N` compiles the
+kernels beforehand in N worker processes. Random weights: the
 quality columns only show that the rollouts differ, not how much a real model would. `--tiny` runs the tiny DiT on
 the CPU instead (the tests: the rows, and identity bit-exact with the native cache).
 """
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,13 +94,16 @@ def precompile(args: argparse.Namespace, codecs: list[str], log=print) -> list[s
     while todo or running:
         while todo and len(running) < args.jobs:
             codec = todo.pop(0)
-            running.append((codec, subprocess.Popen(worker_argv(args, codec), stdout=subprocess.PIPE,
-                                                    stderr=subprocess.STDOUT)))
-        for codec, proc in list(running):
+            output = tempfile.TemporaryFile()  # not a pipe: a chatty worker must not block on a full one
+            running.append((codec, subprocess.Popen(worker_argv(args, codec), stdout=output,
+                                                    stderr=subprocess.STDOUT), output))
+        for codec, proc, output in list(running):
             if proc.poll() is None:
                 continue
-            running.remove((codec, proc))
-            tail = proc.stdout.read().decode(errors="replace")[-2000:]
+            running.remove((codec, proc, output))
+            output.seek(0)
+            tail = output.read().decode(errors="replace")[-2000:]
+            output.close()
             if proc.returncode:
                 failed.append(codec)
                 log(f"[warm] {codec}: worker failed (exit {proc.returncode}):\n{tail}")
