@@ -9,7 +9,7 @@ import torch
 
 from mmkv.codecs import CodecConfig, CodecError, build, codebooks
 from mmkv.codecs.tcq import (
-    SHIPPED, _trellis_pass, hi_steps, pass_one_window, states_from_codes, step_widths, tcq_table, trellis_table,
+    SHIPPED, _distances, _trellis_pass, hi_steps, pass_one_window, states_from_codes, step_widths, tcq_table, trellis_table,
     viterbi,
 )
 
@@ -52,6 +52,16 @@ def test_viterbi_is_the_best_tail_biting_path_with_its_overlap_bits(widths):
     same_h = first[None] == h[:, None]
     best_same_h = torch.where(same_h, err, torch.full_like(err, float("inf"))).min(-1).values
     torch.testing.assert_close(ours, best_same_h, rtol=1e-6, atol=1e-6)
+
+
+def test_the_distances_are_the_difference_square_and_sum_in_order():
+    """The CPU Viterbi takes its step values and table value by value (contiguous rows, for speed); every distance is
+    still (u_0 - t_0)^2 + (u_1 - t_1)^2 rounded op by op, as the Triton encoder computes it, bit for bit."""
+    u, table = gaussian(300, 2, seed=3), gaussian(256, 2, seed=4)
+    plain = (u[:, None, 0] - table[None, :, 0]).square() + (u[:, None, 1] - table[None, :, 1]).square()
+    out, scratch = torch.empty(300, 256), torch.empty(300, 256)
+    got = _distances(u.t().contiguous(), table.t().contiguous(), out, scratch)
+    assert got is out and torch.equal(got, plain)
 
 
 def test_two_passes_come_close_to_the_best_overlap_bits():
