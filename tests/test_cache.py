@@ -436,11 +436,14 @@ def test_rolling_window_as_long_as_the_rollout_is_the_global_cache(codec, sinks)
 
 
 def _rollout_peak(cfg: CacheConfig, schedule, seed: int) -> int:
+    """A rollout's peak: each block attends to the past with its own K/V, then is committed."""
     gen = torch.Generator().manual_seed(seed)
     store = KVStore(cfg, num_layers=L, num_heads=H, head_dim=D)
     for n in schedule:
         for layer in range(L):
-            store.append(layer, rand(gen, UNIT * n, torch.bfloat16), rand(gen, UNIT * n, torch.bfloat16), n)
+            k, v = rand(gen, UNIT * n, torch.bfloat16), rand(gen, UNIT * n, torch.bfloat16)
+            store.attend(layer, rand(gen, UNIT * n, torch.bfloat16), k, v)
+            store.append(layer, k, v, n)
     return store.peak_nbytes
 
 
@@ -666,6 +669,46 @@ def test_merged_units_decode_bit_identical_to_unit_by_unit(codec):
     if not local:
         assert merged.nbytes() == single.nbytes()  # the same unit-by-unit encodings, stacked
     assert merged.nbytes() == sum(s.nbytes for st in merged._layers for s in st.segs)
+
+
+@pytest.mark.parametrize("codec", ["octopus:b=3", "tcq:bits=2,hi=5,norm=32"])
+def test_units_whose_packed_rows_end_inside_a_byte_join_into_one_segment(codec, monkeypatch):
+    """Scales of 1-5 tokens, as the AAR's (OCTOPUS b=3 keys: 11 triplets of 7 bits, 77 bits a token; TCQ with 5
+    wide steps: 37 bits a token): attention still decodes the encoded past in one call per K and V, the join
+    being what one encode of all those tokens stores, so the store then holds fewer bytes than unit by unit (the
+    padding of each unit's last byte) and counts them; the past is bit-identical to unit-by-unit storage."""
+    gen = torch.Generator().manual_seed(29)
+    sizes = [1, 2, 3, 5, 4, 1]
+    blocks = [(rand(gen, t), rand(gen, t)) for t in sizes]
+    stores = {m: store_for(codec, residual_window=1, merge_units=m) for m in (True, False)}
+    calls = []
+    for codec_ in (stores[True].k_codec(0), stores[True].v_codec(0)):
+        real = codec_.decode
+        monkeypatch.setattr(codec_, "decode", lambda enc, *a, _r=real, **kw: calls.append(enc.shape) or _r(enc, *a, **kw))
+    merged, single = stores[True], stores[False]
+    for k, v in blocks:
+        for layer in range(L):
+            q = rand(gen, 2)
+            before = len(calls)
+            got = merged.attend(layer, q, k, v)
+            if layer == 0 and merged.num_units(0) >= 3:  # two or more encoded units behind the native one
+                assert len(calls) - before == 2  # the whole encoded past: one call for K, one for V
+            assert torch.equal(got, single.attend(layer, q, k, v))
+            for store in (merged, single):
+                store.append(layer, k, v)
+    for layer in range(L):
+        assert len(merged.segments(layer)) == 2 and len(single.segments(layer)) == len(sizes)
+        for a, b in zip(merged.past(layer), single.past(layer)):
+            assert torch.equal(a, b)
+    k_codec = merged.k_codec(0)
+    past_tokens = torch.cat([k for k, _ in blocks[:-1]], 2)
+    one_encode = k_codec.encode(past_tokens).nbytes
+    assert merged._layers[0].segs[0].k_enc.nbytes == one_encode
+    assert merged.nbytes() < single.nbytes()
+    assert merged.nbytes() == sum(s.nbytes for st in merged._layers for s in st.segs)
+    stats = merged.stats()
+    assert stats["k_payload_nbytes"] == sum(s.k_nbytes for st in merged._layers for s in st.segs if s.encoded)
+    assert stats["v_payload_nbytes"] == sum(s.v_nbytes for st in merged._layers for s in st.segs if s.encoded)
 
 
 def test_stacked_units_decode_in_one_call_per_tensor(monkeypatch):

@@ -218,6 +218,30 @@ def test_token_local_codecs_concatenate_exactly(preset):
     assert torch.equal(codec.decode(joined), whole)
 
 
+@pytest.mark.parametrize("preset", PRESET_IDS)
+def test_token_local_codecs_join_ragged_units_as_one_encode(preset):
+    """Units of 1, 5 and 7 tokens, whose packed rows mostly end inside a byte, still join: a field the codec names in
+    `bit_streams` is joined bit by bit, so the joined encoding is, field for field, what encoding all the tokens at
+    once stores (no more bytes than the parts), and it decodes as the parts do."""
+    from mmkv.codecs.base import concat_tokens
+
+    codec = build(preset, head_dim=32, num_heads=3, seed=1)
+    xs = [_x((2, 3, t, 32), 11 + t, torch.bfloat16) for t in (1, 5, 7)]
+    parts = [codec.encode(x) for x in xs]
+    joined = concat_tokens(codec, parts)
+    if not codec.token_local:
+        assert joined is None
+        return
+    whole = codec.encode(torch.cat(xs, 2))
+    assert joined is not None and list(joined.tensors) == list(whole.tensors) and joined.shape == whole.shape
+    for key, t in whole.tensors.items():
+        assert torch.equal(joined.tensors[key], t), key
+    assert joined.nbytes == whole.nbytes <= sum(p.nbytes for p in parts)
+    assert torch.equal(codec.decode(joined), torch.cat([codec.decode(p) for p in parts], 2))
+    if preset in ("octopus:b=2,joint=0", "octopus:b=3"):  # 11 triplets of 5 or 7 bits a token: padding to drop
+        assert joined.nbytes < sum(p.nbytes for p in parts)
+
+
 @pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=16", "kivi:bits=4,group=16,role=v",
                                     "qvg:bits=2,centroids=8,block=16", "qvg:bits=4,centroids=4,block=16,stages=2"])
 def test_stackable_codecs_decode_a_stack_like_each_unit(preset):

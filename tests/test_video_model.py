@@ -306,10 +306,9 @@ def test_merged_and_joined_segments_give_the_same_rollout(dit, context, codec):
                         head_dim=TINY_DIT["attention_head_dim"])
         out[merge] = run(dit, context, preset, store)[0].latents
         segments = len(store.segments(0))
-        # unit by unit: one segment a frame; merged: one a block, joined into one past segment when each frame's
-        # packed rows end on a byte (TurboQuant: whole bytes a token; OCTOPUS at 6 tokens a frame: not); OScaR
-        # encodes frame by frame and its encoded frames are stacked into one segment
-        blocks = frames_for(preset) // preset.frames_per_block
-        want = frames_for(preset) if not merge else (blocks + 1 if codec.startswith("octopus") else 2)
+        # unit by unit: one segment a frame; merged: one a block, joined into one past segment (TurboQuant: whole
+        # bytes a token; OCTOPUS at 6 tokens a frame: its rows end inside a byte, joined bit by bit); OScaR encodes
+        # frame by frame and its encoded frames are stacked into one segment
+        want = frames_for(preset) if not merge else 2
         assert segments == want, segments
     assert torch.equal(out[True], out[False])

@@ -57,9 +57,10 @@ def simulate_peak_nbytes(
 ) -> int:
     """`peak_nbytes` of a store with `config` over a rollout of `geometry`, without holding the rollout.
 
-    The store runs its real bookkeeping (residual window, spans, protection, rolling eviction) on shape-only `meta`
-    K/V, its codecs seen through `MeasuredCodec` (one real encode of every distinct span shape). So the number
-    equals the `peak_nbytes` of the real rollout (the tests check this).
+    The store runs its real bookkeeping (residual window, spans, protection, rolling eviction, and before each
+    block the joins of the encoded past that attention makes when it reads a layer) on shape-only `meta` K/V, its
+    codecs seen through `MeasuredCodec` (one real encode of every distinct span shape). So the number equals the
+    `peak_nbytes` of a real rollout that attends before it commits each block (the tests check this).
     """
     store = KVStore(config, num_layers=geometry.num_layers, num_heads=geometry.num_heads,
                     head_dim=geometry.head_dim)
@@ -73,6 +74,7 @@ def simulate_peak_nbytes(
     for n in geometry.schedule:
         kv = torch.empty(shape[0], shape[1], n * geometry.unit_tokens, shape[3], dtype=geometry.dtype, device="meta")
         for layer in range(geometry.num_layers):
+            store._consolidate(layer, store._layers[layer])  # as the block's attention reads the layer first
             store.append(layer, kv, kv, num_units=n)
     return store.peak_nbytes
 

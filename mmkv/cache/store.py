@@ -307,12 +307,14 @@ class KVStore:
         return out
 
     def _consolidate(self, layer: int, st: LayerState) -> None:
-        """Under `merge_units`, join the layer's encoded segments into one (`join_encoded`: the same bytes, so the
+        """Under `merge_units`, join the layer's encoded segments into one (`join_encoded`: the same codes, so the
         same decode), so that attention decodes the whole encoded past in one call per K and V; a stack joins each
         run of equal-length segments (QVG's commit spans after its shorter first one). Done when attention
         first reads a layer after new segments arrived (once per layer and block); not under `reuse_decoded` (its
-        decodes are kept per segment). While the tensors are copied the old ones still exist: that transient is
-        counted in `scratch_peak_nbytes`."""
+        decodes are kept per segment). A join holds the same bytes, or fewer where a bit stream's rows did not end on
+        a byte (the padding of each part's last byte goes: `concat_tokens`); the store counts what it then holds.
+        While the tensors are copied the old ones still exist: that transient is counted in
+        `scratch_peak_nbytes`."""
         if not (self.merge or self.stack) or self.config.reuse_decoded:
             return
         idx = [i for i, s in enumerate(st.segs) if s.encoded]
@@ -334,11 +336,16 @@ class KVStore:
             if joined is None:
                 continue
             old = sum(s.nbytes for s in segs)
-            if joined.nbytes != old:  # only exact layouts are joined; anything else is a bug
+            if joined.nbytes > old or (joined.nbytes < old and not self.merge):
+                # exact layouts only: a stack moves every byte, a token join drops only bit-stream padding
                 raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes "
                                    f"({old} -> {joined.nbytes})")
             self._scratch_peak = max(self._scratch_peak, old)
             st.segs[run[0] : run[-1] + 1] = [joined]
+            if joined.nbytes < old:
+                self._add_bytes(st, joined.nbytes - old)
+                st.k_encoded_nbytes += joined.k_nbytes - sum(s.k_nbytes for s in segs)
+                st.v_encoded_nbytes += joined.v_nbytes - sum(s.v_nbytes for s in segs)
 
     def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference: every stored unit decoded to the store dtype, concatenated: K, V [B, H, Tpast, D]."""

@@ -101,6 +101,10 @@ class Codec:
     # True when every token is encoded on its own, so encoding a run of units decodes bit for bit like encoding them
     # one by one (the store then merges them: CacheConfig.merge_units). Codecs grouping over tokens leave it False.
     token_local: bool = False
+    # The stored fields that are dense bit streams over a row's tokens (`mmkv.codecs.packing`: each token's codes
+    # straight after the previous token's, the row padded to a byte only at its end). A store joins consecutive
+    # units' streams bit by bit where their bits do not end on a byte (`concat_tokens`).
+    bit_streams: tuple[str, ...] = ()
     # True when the leading dims of an encoding are independent rows whose decode does not depend on how many there
     # are, so the store may stack equal-length units' encodings and decode them in one call (`stack_units`); its
     # decode kernel then writes the stack straight into token order (`Codec.decode(out=...)` of the transposed view).

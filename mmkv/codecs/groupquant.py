@@ -194,6 +194,7 @@ class RoleCodec(Codec):
 
     config_class = RoleConfig
     stackable = True
+    bit_streams = ("codes",)
 
     @classmethod
     def value_config(cls, config: CodecConfig, group: int = 32) -> CodecConfig:
@@ -212,6 +213,7 @@ class GroupQuantCodec(Codec):
     config_class = GroupQuantConfig
     display_name = "GroupQuant"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    bit_streams = ("codes",)
 
     def setup(self) -> None:
         self.bits, self.group = self.config.bits, self.config.group

@@ -177,6 +177,7 @@ class OctopusCodec(Codec):
     config_class = OctopusConfig
     display_name = "OCTOPUS"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    bit_streams = ("dir", "rho")
     requires_pow2 = True
     rotation_stream = "octopus"
 

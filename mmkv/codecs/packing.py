@@ -79,3 +79,29 @@ def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
     bits = bits.reshape(*lead, n, width)
     weights = (1 << torch.arange(width, device=packed.device, dtype=torch.int64))
     return (bits * weights).sum(-1)
+
+
+def concat_streams(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Dense bit streams uint8[..., ceil(n_i / 8)] holding n_i bits each (same leading dims) -> the one stream of their
+    sum n_i bits: what `pack_bits` gives for all their codes in one row, so the padding of each part's last byte
+    goes, and only the end is padded (with zeros). Parts whose bits end on a byte are joined as bytes; from the first
+    that does not, the rest is unpacked to bits, joined and packed again."""
+    if not parts:
+        raise CodecError("concat_streams: no streams to join")
+    for p, n in parts:
+        if p.dtype != torch.uint8 or p.shape[-1] != packed_nbytes(n, 1):
+            raise CodecError(f"concat_streams: a uint8 stream of {n} bits has {(n + 7) // 8} bytes, got "
+                             f"{p.dtype} [..., {p.shape[-1]}]")
+    aligned = 0
+    while aligned < len(parts) - 1 and parts[aligned][1] % 8 == 0:
+        aligned += 1
+    head = [p for p, _ in parts[:aligned]]
+    rest = parts[aligned:]
+    if len(rest) > 1:
+        shifts = torch.arange(8, device=rest[0][0].device, dtype=torch.uint8)
+        bits = torch.cat([((p.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :n] for p, n in rest], dim=-1)
+        total = bits.shape[-1]
+        bits = torch.nn.functional.pad(bits, (0, packed_nbytes(total, 1) * 8 - total))
+        rest = [((bits.unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.uint8), total)]
+    joined = head + [p for p, _ in rest]
+    return joined[0] if len(joined) == 1 else torch.cat(joined, dim=-1)

@@ -129,6 +129,7 @@ class PolarQuantCodec(Codec):
         if self.head_dim < BLOCK:
             raise CodecError(f"{where}: PolarQuant codes {BLOCK}-coordinate blocks; head_dim {self.head_dim} < {BLOCK}")
         self.level_bits = self.config.level_bits
+        self.bit_streams = tuple(f"angles{level}" for level in range(1, len(self.level_bits) + 1))
         self.rotation = RandomizedHadamard(self.head_dim, num_heads=1, seed=self.seed, layer=0, stream="polarquant")
         self._books: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mmkv.codecs.encoded import Encoded
+from mmkv.codecs.packing import concat_streams
 
 if TYPE_CHECKING:
     from mmkv.codecs.base import Codec
@@ -50,8 +51,11 @@ def token_layout(codec: "Codec", lead: int) -> dict[str, tuple[int, Fraction]]:
 def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
     """One encoding of the concatenated tokens of `encs` (consecutive encodings of a token-local codec, same leading
     dims), built by concatenating the stored tensors, or None when that would not be exact: a field whose size is not
-    proportional to its tokens (a packed row padded to a byte), differing metadata, or a codec that is not
-    token-local. Decoding it equals concatenating the decodes, bit for bit."""
+    proportional to its tokens, differing metadata, or a codec that is not token-local. A field the codec names in
+    `bit_streams` (a dense bit stream over the row's tokens, `mmkv.codecs.packing`) whose bits do not end on a byte
+    is joined bit by bit (`concat_streams`): the result is what encoding all the tokens at once stores, its last
+    byte's padding only, so it can hold fewer bytes than the parts. Decoding it equals concatenating the decodes, bit
+    for bit."""
     if not getattr(codec, "token_local", False) or len(encs) < 2:
         return None
     first = encs[0]
@@ -62,12 +66,21 @@ def concat_tokens(codec: "Codec", encs: list[Encoded]) -> Encoded | None:
     layout = token_layout(codec, lead)
     if set(layout) != set(first.tensors):
         return None
+    streams = {k: int(rate * 8) for k, (axis, rate) in layout.items()
+               if k in getattr(codec, "bit_streams", ()) and (rate * 8).denominator == 1
+               and axis == first.tensors[k].dim() - 1 and first.tensors[k].dtype == torch.uint8}
+    ragged = set()
     for e in encs:
         t = e.shape[-2]
         for k, (axis, rate) in layout.items():
-            if rate * t != e.tensors[k].shape[axis]:
-                return None
-    tensors = {k: torch.cat([e.tensors[k] for e in encs], dim=layout[k][0]) for k in first.tensors}
+            if rate * t == e.tensors[k].shape[axis]:
+                continue
+            if k in streams and e.tensors[k].shape[axis] == (streams[k] * t + 7) // 8:
+                ragged.add(k)
+                continue
+            return None
+    tensors = {k: concat_streams([(e.tensors[k], streams[k] * e.shape[-2]) for e in encs]) if k in ragged
+               else torch.cat([e.tensors[k] for e in encs], dim=layout[k][0]) for k in first.tensors}
     shape = (*first.shape[:-2], sum(e.shape[-2] for e in encs), first.shape[-1])
     return Encoded(first.codec, shape, first.dtype, tensors, dict(first.meta))
 

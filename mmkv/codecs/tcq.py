@@ -301,6 +301,7 @@ class TCQCodec(Codec):
     config_class = TCQConfig
     display_name = "TCQ"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    bit_streams = ("code", "code_hi")
     requires_pow2 = True
 
     @classmethod

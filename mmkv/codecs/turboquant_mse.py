@@ -178,6 +178,7 @@ class TurboQuantMSECodec(Codec):
     config_class = TurboQuantMSEConfig
     display_name = "TurboQuant-MSE"
     token_local = True  # each token encoded on its own (CacheConfig.merge_units)
+    bit_streams = ("idx", "idx_hi")
     requires_pow2 = True
     rotation_stream = "turboquant"
 
