@@ -5,6 +5,8 @@ reference), cast once to the output dtype. Bit-identical to the reference.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import torch
@@ -19,10 +21,11 @@ from mmkv.kernels.rotation import fwht, fwht_lanes
 
 @jit
 def _minmax_decode_kernel(
-    codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr,
-    T, NH, rscale, row_bytes, NGT, vr, N1, N2, S0, S1, S2,
+    codes_ptr, scale_ptr, offset_ptr, norm_ptr, out_ptr, starts_ptr,
+    T, NH, rscale, row_bytes, NGT, NU, vr, N1, N2, S0, S1, S2,
     D: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
+    UNITS: tl.constexpr, UP: tl.constexpr,
 ):
     row, row64, t0, n_tok = token_block(T, BT)
     orow = out_row(row64, N1, N2, S0, S1, S2)
@@ -34,7 +37,18 @@ def _minmax_decode_kernel(
     else:
         q = unpack_block(codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
     if CHANNEL:
-        moff = row64 * D * NGT + jj[None, :] * NGT + ((t0 + tt) // G)[:, None]
+        tok = t0 + tt
+        if UNITS:  # joined units (`RoleCodec.join_units`): each unit's groups start at its first token
+            uu = tl.arange(0, UP)
+            ends = tl.load(starts_ptr + 1 + uu, mask=uu < NU, other=2147483647)
+            u = tl.sum((tok[:, None] >= ends[None, :]).to(tl.int32), 1)  # the unit of each token
+            inside = u < NU
+            first = tl.load(starts_ptr + u, mask=inside, other=0)
+            base = tl.load(starts_ptr + NU + 1 + u, mask=inside, other=0)  # the unit's first group
+            grp = base + (tok - first) // G
+        else:
+            grp = tok // G
+        moff = row64 * D * NGT + jj[None, :] * NGT + grp[:, None]
     else:
         NG: tl.constexpr = (D + G - 1) // G
         moff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + (jj // G)[None, :]
@@ -65,9 +79,11 @@ def minmax_decode(
     norm: torch.Tensor | None = None,
     norm_heads: int = 1,
     out: torch.Tensor | None = None,
+    units: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """`decode_minmax` on the kernel, cast to `dtype`; `norm` multiplies each token and `rotate` applies H last.
-    `out`: write there (see `decode_out_rows`: a stack of units may land straight in token order)."""
+    `out`: write there (see `decode_out_rows`: a stack of units may land straight in token order). `units`: the
+    token counts of joined K units (`RoleCodec.join_units`), whose groups restart at each unit."""
     *lead, T, D = shape
     codes = tensors["codes"].contiguous()
     dev = codes.device
@@ -80,14 +96,27 @@ def minmax_decode(
     by_rows = row_layout(D, bits, rotate)
     bt = block_tokens(group, dp, channel, by_rows)
     v = min(vector(dtype), D)
+    scale = tensors["scale"].contiguous()
+    ragged = channel and units is not None
     _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](
-        codes, tensors["scale"].contiguous(), tensors["offset"].contiguous(),
-        norm if norm is not None else tensors["scale"], out,
-        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], -(-T // group), v, *rows_at,
+        codes, scale, tensors["offset"].contiguous(), norm if norm is not None else scale, out,
+        unit_table(units, group, dev) if ragged else scale,
+        T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], scale.shape[-1] if channel else -(-T // group),
+        len(units) if ragged else 0, v, *rows_at,
         D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
-        ROWS=by_rows, V=v, num_warps=max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8), **LAUNCH,
+        ROWS=by_rows, V=v, UNITS=ragged, UP=triton.next_power_of_2(len(units)) if ragged else 1,
+        num_warps=max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8), **LAUNCH,
     )
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def unit_table(units: tuple[int, ...], group: int, device: torch.device) -> torch.Tensor:
+    """Joined units' first tokens and the end, then each unit's first group: int32 [2 len(units) + 1] on `device`,
+    made once per (units, group, device) and read only, so a decode launches no copy for it."""
+    groups = [-(-n // group) for n in units]
+    return torch.tensor([0, *itertools.accumulate(units), 0, *itertools.accumulate(groups[:-1])], dtype=torch.int32,
+                        device=device)
 
 
 def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,4 +12,5 @@ from mmkv.kernels.kivi_encode import supports  # noqa: F401  (same parameter ran
 
 def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`codec.decode(enc, dtype)` for KIVI on the kernel."""
-    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis=codec.axis, out=out)
+    return minmax_decode(enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis=codec.axis, out=out,
+                         units=codec.units(enc))

@@ -17,5 +17,5 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
     heads = enc.shape[-3] if len(enc.shape) >= 3 else 1
     return minmax_decode(
         enc.tensors, enc.shape, dtype, bits=codec.bits, group=codec.group, axis=codec.axis, rotate=True, norm=norm,
-        norm_heads=heads, out=out,
+        norm_heads=heads, out=out, units=codec.units(enc),
     )

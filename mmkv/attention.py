@@ -316,6 +316,10 @@ def attend(
             # Long query blocks (a video chunk) are compute-bound: decode once into the gather buffer and make one
             # SDPA call over [past | current] rather than fused split-K plus an fp32 pass over the native part.
             kernel = None
+        if kernel is not None and any(s.k_enc.meta.get("units") for s in encoded):
+            # keys of units of unequal length joined into one encoding (KIVI / OScaR over an AAR's scales,
+            # `RoleCodec.join_units`): the fused kernels read one unit's groups, so decode the past once instead
+            kernel = None
         if kernel is not None or k_codec.has_scores:
             return _attend_split(q, segments, k_cur, v_cur, scale, kernel)
     k, v = gather(segments, k_cur, v_cur, q.dtype)

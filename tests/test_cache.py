@@ -711,6 +711,64 @@ def test_units_whose_packed_rows_end_inside_a_byte_join_into_one_segment(codec, 
     assert stats["v_payload_nbytes"] == sum(s.v_nbytes for st in merged._layers for s in st.segs if s.encoded)
 
 
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=32", "oscar:bits=2,group=32", "kivi:bits=4,group=2"])
+def test_grouped_keys_of_unequal_units_join_into_one_segment(codec, monkeypatch):
+    """KIVI's and OScaR's keys group over each unit's tokens; units of unequal length (an AAR's scales) used to stay
+    one segment each, decoded one call apiece. The store now stacks equal ones and joins the rest along the tokens
+    (`join_units`): one decode call for K and one for V, the past and the attention bit for bit those of
+    unit-by-unit storage, the same bytes held."""
+    gen = torch.Generator().manual_seed(31)
+    sizes = [2, 2, 1, 3, 5, 4, 1, 6]
+    blocks = [(rand(gen, t), rand(gen, t)) for t in sizes]
+    stores = {m: store_for(codec, residual_window=1, merge_units=m) for m in (True, False)}
+    merged, single = stores[True], stores[False]
+    assert merged.ragged and not single.ragged
+    calls = []
+    for codec_ in (merged.k_codec(0), merged.v_codec(0)):
+        real = codec_.decode
+        monkeypatch.setattr(codec_, "decode", lambda enc, *a, _r=real, **kw: calls.append(enc.shape) or _r(enc, *a, **kw))
+    for k, v in blocks:
+        for layer in range(L):
+            q = rand(gen, 2)
+            before = len(calls)
+            got = merged.attend(layer, q, k, v)
+            if layer == 0 and merged.num_units(0) >= 3:
+                assert len(calls) - before == 2  # the whole encoded past: one call for K, one for V
+            assert torch.equal(got, single.attend(layer, q, k, v))
+            for store in (merged, single):
+                store.append(layer, k, v)
+    for layer in range(L):
+        joined, native = merged.segments(layer)
+        assert joined.stack == 1 and joined.k_enc.meta["units"] == tuple(sizes[:-1])
+        for a, b in zip(merged.past(layer), single.past(layer)):
+            assert torch.equal(a, b)
+    assert merged.nbytes() == single.nbytes() == sum(s.nbytes for st in merged._layers for s in st.segs)
+    assert not store_for("qvg:bits=2,centroids=2,block=16", residual_window=1).ragged  # spans keep their centres
+
+
+def test_joined_keys_of_unequal_units_skip_the_fused_kernels(monkeypatch):
+    """A fused decode-attention kernel reads one unit's key groups; keys joined over unequal units go down the
+    decode + SDPA path instead, while single units still reach the kernel."""
+    import mmkv.attention as attention_mod
+
+    used = []
+
+    def fake_kernel(q, segments, scale):
+        used.append(len(segments))
+        k, v = attention_mod.gather(segments, None, None, torch.float32)
+        return attention_mod.attention_lse(q, k, v, scale)
+
+    monkeypatch.setattr(attention_mod, "find_kernel", lambda k, v, device: fake_kernel)
+    store = store_for("kivi:bits=2,group=32", residual_window=1)
+    gen = torch.Generator().manual_seed(37)
+    for t in (3, 1, 2):
+        k, v = rand(gen, t), rand(gen, t)
+        store.attend(0, rand(gen, 1), k, v)
+        store.append(0, k, v)
+    assert used == [1]  # the second block saw one encoded unit; the third the joined units (1 and 3 tokens)
+    assert store.segments(0)[0].k_enc.meta["units"] == (3, 1)
+
+
 def test_stacked_units_decode_in_one_call_per_tensor(monkeypatch):
     """The point of stacking: attention over a KIVI past of 6 units makes one decode call for K and one for V,
     and a stacked segment split back into units (fused kernels, score paths) decodes to the same tokens."""

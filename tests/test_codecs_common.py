@@ -242,6 +242,28 @@ def test_token_local_codecs_join_ragged_units_as_one_encode(preset):
         assert joined.nbytes < sum(p.nbytes for p in parts)
 
 
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=32", "oscar:bits=2,group=32", "kivi:bits=4,group=16",
+                                    "oscar:bits=3,group=16"])
+def test_grouped_keys_join_units_of_any_length(preset):
+    """KIVI's and OScaR's keys group over each unit's tokens, so units of unequal length (an AAR's 1 to 75-token
+    scales) cannot be stacked; `join_units` concatenates every stored tensor along its last axis and records the
+    units' token counts, each unit's groups starting at its own first token: the same bytes, decoded bit for bit as
+    the units are, and joined again with later units. Values (token-local) and rows that end inside a byte refuse."""
+    codec = build(preset, head_dim=64, num_heads=4, seed=1)
+    xs = [_x((2, 4, t, 64), 3 + t, torch.bfloat16) for t in (1, 5, 40, 3, 75)]
+    parts = [codec.encode(x) for x in xs]
+    first = codec.join_units(parts[:3])
+    joined = codec.join_units([first, *parts[3:]])
+    assert joined.meta["units"] == (1, 5, 40, 3, 75) and joined.shape == (2, 4, 124, 64)
+    assert joined.nbytes == sum(p.nbytes for p in parts)
+    assert torch.equal(codec.decode(joined), torch.cat([codec.decode(p) for p in parts], 2))
+    assert torch.equal(codec.decode(first), torch.cat([codec.decode(p) for p in parts[:3]], 2))
+    values = build(preset + ",role=v", head_dim=64, num_heads=4, seed=1)
+    assert values.join_units([values.encode(x) for x in xs[:2]]) is None
+    odd = build(preset.split(":")[0] + ":bits=3,group=16", head_dim=4, seed=1)  # 12 bits a token: not whole bytes
+    assert not odd.joins_units and odd.join_units([odd.encode(_x((1, t, 4), t, torch.float32)) for t in (2, 3)]) is None
+
+
 @pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=16", "kivi:bits=4,group=16,role=v",
                                     "qvg:bits=2,centroids=8,block=16", "qvg:bits=4,centroids=4,block=16,stages=2"])
 def test_stackable_codecs_decode_a_stack_like_each_unit(preset):

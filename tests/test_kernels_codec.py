@@ -555,6 +555,34 @@ def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, 
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=8", "kivi:bits=4,group=4"])
+def test_store_gathers_joined_scales_on_the_kernels_like_the_reference(preset, monkeypatch):
+    """Units of unequal length (an AAR's scales: 1, 2, 4, 3, 6, 12, 5 tokens, after the first two equal ones were
+    stacked) joined along the tokens (`RoleCodec.join_units`): the decode kernel finds each token's group in its own
+    unit (a table of the units' first tokens and groups) and gathers straight into the buffer, bit for bit the
+    torch reference's past; one decode call for K and one for V."""
+    from mmkv.cache import CacheConfig, KVStore
+
+    def past(on_kernels: bool):
+        if on_kernels:
+            import mmkv.codecs.base as base_mod
+
+            monkeypatch.setattr(base_mod, "_kernel", lambda codec, op, device: K["dispatch"].lookup(op, codec))
+        store = KVStore(CacheConfig(codec=preset, residual_window=1), num_layers=1, num_heads=2, head_dim=32)
+        g = torch.Generator().manual_seed(15)
+        for t in (1, 1, 2, 4, 3, 6, 12, 5):
+            k, v = (torch.randn(2, 2, t, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+            store.attend(0, torch.randn(2, 2, t, 32, generator=g).to(torch.bfloat16), k, v)
+            store.append(0, k, v)
+        (joined, native) = store.segments(0)
+        assert joined.stack == 1 and joined.k_enc.meta["units"] == (1, 1, 2, 4, 3, 6, 12)
+        return store.past(0)
+
+    want = past(False)
+    got = past(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("preset", ["kivi:bits=2,group=16,role=v", "groupquant:bits=4,group=16",
                                     "oscar:bits=2,group=16", "turboquant-mse:b=2", "turboquant-mse:b=4,norm=16",

@@ -101,12 +101,37 @@ def group_units(leaving: list[int], *, runs: bool, sink_units: int, span_units: 
     return [run[i : i + m] for run in out for i in range(0, len(run) - len(run) % m, m)]
 
 
+def joins_units(codec: Codec) -> bool:
+    """Whether consecutive encodings of this codec join along the tokens whatever their lengths: token-local codecs
+    (`concat_tokens`) and KIVI's / OScaR's keys (`join_units`)."""
+    return bool(codec.token_local or getattr(codec, "joins_units", False))
+
+
+def join_units(codec: Codec, encs: list[Encoded]) -> Encoded | None:
+    """`encs` (single units, or earlier joins) joined along the tokens by the codec's own rule, None if it has
+    none."""
+    if codec.token_local:
+        return concat_tokens(codec, encs)
+    return codec.join_units(encs) if getattr(codec, "joins_units", False) else None
+
+
+def _entries(enc: Encoded, codec: Codec, stack: int) -> list[Encoded]:
+    """A stack's entries as encodings of their own (copies), or [enc]."""
+    if stack == 1:
+        return [enc]
+    unit = (enc.shape[0], *enc.shape[2:])
+    return [Encoded(enc.codec, unit, enc.dtype,
+                    {k: t.select(codec.stack_axes.get(k, 1), i).contiguous() for k, t in enc.tensors.items()},
+                    dict(enc.meta)) for i in range(stack)]
+
+
 def join_encoded(segs: list[Seg], kc: Codec, vc: Codec, *, merge: bool) -> Seg | None:
-    """The layer's consecutive encoded segments as one, holding the same bytes: joined along the token axis for
-    token-local codecs (`merge`, `concat_tokens`), else stacked segment by segment on a new axis (`stack_units`: one
-    unit each, or a span codec's commit spans of equal length). None when they cannot be joined exactly (segments
-    not adjacent, partly evicted, a packed row that does not end on a byte, segments of unequal length in a
-    stack)."""
+    """The layer's consecutive encoded segments as one, holding the same bytes (or fewer: a bit stream's padding,
+    `concat_tokens`): joined along the token axis for token-local codecs (`merge`, `concat_tokens`), else stacked
+    segment by segment on a new axis (`stack_units`: one unit each, or a span codec's commit spans of equal
+    length), and where the lengths differ and both codecs join units of any length (KIVI / OScaR: `join_units`),
+    joined along the tokens. None when they cannot be joined exactly (segments not adjacent, partly evicted,
+    segments of unequal length in a stack that cannot be joined otherwise)."""
     if any(a.end_unit != b.first_unit or a.skip_units or b.skip_units for a, b in zip(segs, segs[1:])):
         return None
     stack = 1
@@ -119,6 +144,10 @@ def join_encoded(segs: list[Seg], kc: Codec, vc: Codec, *, merge: bool) -> Seg |
         stack = 0 if v_enc is None else k_enc.shape[1]
         if v_enc is not None and (v_enc.shape[1] != stack or stack != sum(s.stack for s in segs)):
             v_enc = None  # every segment must be one stack entry (or a stack of them)
+        if v_enc is None and joins_units(kc) and joins_units(vc):
+            k_enc = join_units(kc, [e for s in segs for e in _entries(s.k_enc, kc, s.stack)])
+            v_enc = join_units(vc, [e for s in segs for e in _entries(s.v_enc, vc, s.stack)]) if k_enc else None
+            stack = 1
     if v_enc is None:
         return None
     return Seg(segs[0].first_unit, tuple(t for s in segs for t in s.unit_tokens), k_enc=k_enc, v_enc=v_enc,

@@ -12,7 +12,7 @@ from mmkv import attention
 from mmkv.cache import accounting
 from mmkv.cache.checks import CheckQueue, nonfinite
 from mmkv.cache.config import CacheConfig, KVCacheError, is_int
-from mmkv.cache.segments import LayerState, Seg, group_units, join_encoded, live_predicate
+from mmkv.cache.segments import LayerState, Seg, group_units, join_encoded, joins_units, live_predicate
 from mmkv.cache.validate import check_kv, check_layer, check_q, empty_message
 from mmkv.codecs.base import Codec, CodecConfig, CodecError, _kernel, build
 from mmkv.codecs.checks import encode_scope
@@ -66,6 +66,9 @@ class KVStore:
         # commit span; with every codec stackable, attention stacks a layer's equal encoded units or spans instead
         # and decodes them in one call per K and V.
         self.stack = joinable and not self.merge and all(c.stackable or c.token_local for c in codecs) and not scored
+        # ... and where every codec also joins units of any length (KIVI / OScaR keys, `join_units`), units of
+        # unequal length (an AAR's scales) join along the tokens instead of staying one segment each
+        self.ragged = self.stack and all(joins_units(c) for c in codecs)
         if self.span_units is not None and (not is_int(self.span_units) or self.span_units < 1):
             raise KVCacheError(f"KVStore: codec span_units must be a positive int, got {self.span_units!r}")
         self.reset()
@@ -320,8 +323,8 @@ class KVStore:
         idx = [i for i, s in enumerate(st.segs) if s.encoded]
         if len(idx) < 2 or idx != list(range(idx[0], idx[-1] + 1)):
             return
-        if self.merge:
-            runs = [idx]
+        if self.merge or self.ragged:
+            runs = [idx]  # (ragged: stacked while the lengths are equal, joined along the tokens once they differ)
         else:  # a stack takes equal lengths: QVG's first commit span is shorter than the rest (the residual window)
             runs = []
             for i in idx:
@@ -336,8 +339,7 @@ class KVStore:
             if joined is None:
                 continue
             old = sum(s.nbytes for s in segs)
-            if joined.nbytes > old or (joined.nbytes < old and not self.merge):
-                # exact layouts only: a stack moves every byte, a token join drops only bit-stream padding
+            if joined.nbytes > old:  # exact layouts only: a join keeps every byte but a bit stream's padding
                 raise KVCacheError(f"layer {layer}: joining encoded segments changed their bytes "
                                    f"({old} -> {joined.nbytes})")
             self._scratch_peak = max(self._scratch_peak, old)

@@ -13,6 +13,7 @@ leading index (`mmkv.codecs.packing`), token-major: code (t, j) sits at bits [(t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -143,13 +144,31 @@ def encode_minmax(
 
 
 def decode_minmax(
-    tensors: dict[str, torch.Tensor], shape: tuple[int, ...], *, bits: int, group: int, axis: str
+    tensors: dict[str, torch.Tensor], shape: tuple[int, ...], *, bits: int, group: int, axis: str,
+    units: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
+    """The decode of `encode_minmax`'s tensors. `units`: the token counts of consecutive units joined along the
+    tokens ("channel" axis only, `RoleCodec.join_units`), each unit's groups starting at its own first token."""
     *lead, t, d = shape
     codes = unpack_bits(tensors["codes"], bits, t * d).reshape(*lead, t, d)
     if axis == "token":
         return dequantize_groups(codes, tensors["scale"], tensors["offset"], group)
-    return dequantize_groups(codes.transpose(-1, -2), tensors["scale"], tensors["offset"], group).transpose(-1, -2)
+    if units is None:
+        return dequantize_groups(codes.transpose(-1, -2), tensors["scale"], tensors["offset"], group).transpose(-1, -2)
+    idx = unit_groups(units, group, codes.device)  # each token's own group's parameters, the same values as above
+    scale, offset = tensors["scale"].float().index_select(-1, idx), tensors["offset"].float().index_select(-1, idx)
+    return (codes.transpose(-1, -2).to(torch.float32) * scale + offset).transpose(-1, -2)
+
+
+@functools.lru_cache(maxsize=256)
+def unit_groups(units: tuple[int, ...], group: int, device: torch.device) -> torch.Tensor:
+    """The group of every token of consecutive units whose groups of `group` tokens start afresh at each unit's first
+    token: int64 [sum(units)]. Kept per (units, group, device), read only (a store asks for the same few)."""
+    parts, base = [], 0
+    for n in units:
+        parts.append(base + torch.arange(n) // group)
+        base += num_groups(n, group)
+    return torch.cat(parts).to(device)
 
 
 @dataclass(frozen=True)
@@ -205,6 +224,33 @@ class RoleCodec(Codec):
         self.meta_dtype = META_DTYPES[self.config.meta]
         self.axis = ROLES[self.role]
         self.token_local = self.axis == "token"  # V: per-token groups; K groups over tokens
+        # K units of any lengths join (`join_units`) when each token's codes fill whole bytes
+        self.joins_units = self.axis == "channel" and self.head_dim * self.bits % 8 == 0
+
+    def units(self, enc: Encoded) -> tuple[int, ...] | None:
+        """The token counts of the units `join_units` joined into `enc` (None for one unit or a stack)."""
+        return enc.meta.get("units")
+
+    def join_units(self, encs: list[Encoded]) -> Encoded | None:
+        """Consecutive K units of any token counts (an AAR's scales) as one encoding that decodes, bit for bit, as
+        the units do: every stored tensor concatenated along its last axis (the code rows, whose tokens fill whole
+        bytes; the groups' scales and offsets; OScaR's token norms), the units' token counts in `meta["units"]`,
+        since each unit's groups start at its own first token (`decode_minmax(units=...)`). The same bytes as the
+        units. None when it cannot be done exactly: V (token-local: `concat_tokens`), stacks, differing layouts."""
+        if not self.joins_units or len(encs) < 2:
+            return None
+        first = encs[0]
+        rest = {k: v for k, v in first.meta.items() if k != "units"}
+        if len(first.shape) < 3 or any(
+                len(e.shape) != len(first.shape) or tuple(e.shape[:-2]) != tuple(first.shape[:-2])
+                or e.shape[-1] != first.shape[-1] or e.codec != first.codec or e.dtype != first.dtype
+                or list(e.tensors) != list(first.tensors)
+                or {k: v for k, v in e.meta.items() if k != "units"} != rest for e in encs):
+            return None
+        units = tuple(n for e in encs for n in (self.units(e) or (e.shape[-2],)))
+        tensors = {k: torch.cat([e.tensors[k] for e in encs], dim=-1) for k in first.tensors}
+        shape = (*first.shape[:-2], sum(units), first.shape[-1])
+        return Encoded(first.codec, shape, first.dtype, tensors, {**rest, "units": units})
 
 
 class GroupQuantCodec(Codec):

@@ -43,4 +43,5 @@ class KiviCodec(RoleCodec):
         return Encoded(self.name, tuple(x.shape), x.dtype, tensors)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        return decode_minmax(enc.tensors, enc.shape, bits=self.bits, group=self.group, axis=self.axis)
+        return decode_minmax(enc.tensors, enc.shape, bits=self.bits, group=self.group, axis=self.axis,
+                             units=self.units(enc))

@@ -80,7 +80,8 @@ class OscarCodec(RoleCodec):
     def decode_normalized(self, enc: Encoded) -> torch.Tensor:
         """deq(k^) for K (rotated and normalised: scale token t by n_t) or deq(H v) for V (rotated), fp32."""
         self._check(enc)
-        return decode_minmax(enc.tensors, enc.shape, bits=self.bits, group=self.group, axis=self.axis)
+        return decode_minmax(enc.tensors, enc.shape, bits=self.bits, group=self.group, axis=self.axis,
+                             units=self.units(enc))
 
     def decode_rotated(self, enc: Encoded) -> torch.Tensor:
         """The reconstruction in the rotated domain, deq(k^) n_t for K (deq(H v) for V), so that, as for the other
