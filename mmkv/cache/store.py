@@ -312,7 +312,8 @@ class KVStore:
     def _consolidate(self, layer: int, st: LayerState) -> None:
         """Under `merge_units`, join the layer's encoded segments into one (`join_encoded`: the same codes, so the
         same decode), so that attention decodes the whole encoded past in one call per K and V; a stack joins each
-        run of equal-length segments (QVG's commit spans after its shorter first one). Done when attention
+        run of equal-length segments (QVG's commit spans after its shorter first one), or the whole encoded past
+        where every codec also joins units of unequal length (`ragged`: KIVI / OScaR). Done when attention
         first reads a layer after new segments arrived (once per layer and block); not under `reuse_decoded` (its
         decodes are kept per segment). A join holds the same bytes, or fewer where a bit stream's rows did not end on
         a byte (the padding of each part's last byte goes: `concat_tokens`); the store counts what it then holds.
