@@ -172,3 +172,42 @@ def test_tcq_finishing_kernel_compiles_for_sm90(tmp_path):
     """The one-kernel finish after TCQ's search (states, gain, packing) at the default L of each width."""
     built = compiled(TCQ_FINISH, cache=tmp_path)
     assert len(built) == 3 and all(size > 1000 for size in built)
+
+
+MINMAX_DECODE = textwrap.dedent("""
+    import json
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mmkv.kernels import groupquant_decode
+    from mmkv.kernels.common import LAUNCH, vector
+    from mmkv.kernels.groupquant_encode import block_tokens, row_layout
+
+    target = GPUTarget("cuda", 90, 32)
+    sig = {"codes_ptr": "*u8", "scale_ptr": "*fp16", "offset_ptr": "*fp16", "norm_ptr": "*fp32", "out_ptr": "*bf16",
+           "starts_ptr": "*i32", "T": "i32", "NH": "i32", "rscale": "fp32", "row_bytes": "i32", "NGT": "i32",
+           "NU": "i32", "vr": "i32", "N1": "i32", "N2": "i32", "S0": "i64", "S1": "i64", "S2": "i64",
+           "D": "constexpr", "DP": "constexpr", "BT": "constexpr", "G": "constexpr", "BITS": "constexpr",
+           "CHANNEL": "constexpr", "ROTATE": "constexpr", "NORM": "constexpr", "ROWS": "constexpr", "V": "constexpr",
+           "UNITS": "constexpr", "UP": "constexpr"}
+    out = []
+    for rotate in (False, True):  # KIVI K, OScaR K: the AAR's 64-wide heads, groups of 32 tokens, 2 bits
+        for units, up in ((False, 1), (True, 16)):  # one unit (or a stack); 16 joined scales
+            rows = row_layout(64, 2, rotate)
+            bt = block_tokens(32, 64, True, rows)
+            consts = {"D": 64, "DP": 64, "BT": bt, "G": 32, "BITS": 2, "CHANNEL": True, "ROTATE": rotate,
+                      "NORM": rotate, "ROWS": rows, "V": vector(torch.bfloat16), "UNITS": units, "UP": up}
+            warps = max(1, bt // 32) if rows else (4 if bt * 64 <= 4096 else 8)
+            k = triton.compile(ASTSource(fn=groupquant_decode._minmax_decode_kernel, signature=sig,
+                                         constexprs=consts), target=target, options={"num_warps": warps, **LAUNCH})
+            out.append(len(k.asm["cubin"]))
+    print(json.dumps(out))
+""")
+
+
+def test_minmax_decode_kernel_compiles_for_sm90_with_and_without_joined_units(tmp_path):
+    """KIVI's and OScaR's key decode, for one unit and for 16 units of unequal length joined along the tokens
+    (each token's group looked up in a table of the units' first tokens and groups), as the AAR's scales are."""
+    built = compiled(MINMAX_DECODE, cache=tmp_path)
+    assert len(built) == 4 and all(size > 1000 for size in built)
