@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmkv.codecs.groupquant import num_groups
 from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, rows_of, store_rows, token_block, vector
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
@@ -114,7 +115,7 @@ def minmax_decode(
 def unit_table(units: tuple[int, ...], group: int, device: torch.device) -> torch.Tensor:
     """Joined units' first tokens and the end, then each unit's first group: int32 [2 len(units) + 1] on `device`,
     made once per (units, group, device) and read only, so a decode launches no copy for it."""
-    groups = [-(-n // group) for n in units]
+    groups = [num_groups(n, group) for n in units]
     return torch.tensor([0, *itertools.accumulate(units), 0, *itertools.accumulate(groups[:-1])], dtype=torch.int32,
                         device=device)
 

@@ -218,6 +218,20 @@ def test_token_local_codecs_concatenate_exactly(preset):
     assert torch.equal(codec.decode(joined), whole)
 
 
+def test_concat_streams_is_packing_all_the_codes_in_one_row():
+    """Joining dense bit streams (whole-byte parts, parts ending inside a byte, long and one-bit parts) gives what
+    `pack_bits` gives for all their codes at once; a malformed part is refused by name."""
+    from mmkv.codecs.packing import concat_streams, pack_bits
+
+    g = torch.Generator().manual_seed(5)
+    for width, lengths in [(5, [22, 1, 7]), (2, [4, 4, 3]), (3, [8, 13, 1, 40]), (1, [1]), (7, [3, 16, 5])]:
+        codes = [torch.randint(0, 1 << width, (2, 3, n), generator=g) for n in lengths]
+        got = concat_streams([(pack_bits(c, width), c.shape[-1] * width) for c in codes])
+        assert torch.equal(got, pack_bits(torch.cat(codes, -1), width)), (width, lengths)
+    with pytest.raises(CodecError, match="stream of 9 bits has 2 bytes"):
+        concat_streams([(torch.zeros(3, dtype=torch.uint8), 9)])
+
+
 @pytest.mark.parametrize("preset", PRESET_IDS)
 def test_token_local_codecs_join_ragged_units_as_one_encode(preset):
     """Units of 1, 5 and 7 tokens, whose packed rows mostly end inside a byte, still join: a field the codec names in

@@ -84,8 +84,9 @@ def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
 def concat_streams(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     """Dense bit streams uint8[..., ceil(n_i / 8)] holding n_i bits each (same leading dims) -> the one stream of their
     sum n_i bits: what `pack_bits` gives for all their codes in one row, so the padding of each part's last byte
-    goes, and only the end is padded (with zeros). Parts whose bits end on a byte are joined as bytes; from the first
-    that does not, the rest is unpacked to bits, joined and packed again."""
+    goes, and only the end is padded (with zeros). Whole bytes are kept as bytes up to the first part that ends
+    inside a byte; from that part's last byte on, the bits are unpacked, joined and packed again, so a store that
+    joins its whole past with a new unit repacks the new unit, not the past."""
     if not parts:
         raise CodecError("concat_streams: no streams to join")
     for p, n in parts:
@@ -98,6 +99,10 @@ def concat_streams(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     head = [p for p, _ in parts[:aligned]]
     rest = parts[aligned:]
     if len(rest) > 1:
+        p, n = rest[0]
+        if n >= 8:  # its whole bytes stay bytes; only the partial last one is repacked with what follows
+            head.append(p[..., : n // 8])
+            rest = [(p[..., n // 8 :], n % 8), *rest[1:]]
         shifts = torch.arange(8, device=rest[0][0].device, dtype=torch.uint8)
         bits = torch.cat([((p.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :n] for p, n in rest], dim=-1)
         total = bits.shape[-1]
