@@ -280,7 +280,8 @@ def summary_lines(out: Path) -> list[str]:
 
 
 def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]:
-    """The stage arguments that make a replay of `run` draw what it drew: each stage's steps as it ran them, the
+    """The stage arguments that make a replay of `run` draw what it drew: each stage's steps as it ran them (with the
+    budget's re-plans, which the learning-rate schedule followed, where train.json keeps them), the
     DiT's dataset size and the distillation's teacher trajectories of each kind (the counts a budget cut), read from
     each stage's `train.json`."""
     from mmkv.pipelines.wan.train import get_config
@@ -292,7 +293,13 @@ def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]
             if rec is None:
                 raise ValueError(f"--replay {run}: its {lane} stage {stage!r} did not finish (no {lane}/{stage}/"
                                  "train.json); only a finished run can be replayed")
-            pins[stage] = ["--steps", str(int(rec["steps"]))]
+            if rec.get("step_plan"):  # the re-plans too, which the schedule followed (`--step-plan`)
+                if int(rec["step_plan"][-1][1]) != int(rec["steps"]):
+                    raise ValueError(f"--replay {run}: {lane}/{stage}/train.json's step_plan ends at "
+                                     f"{rec['step_plan'][-1][1]} steps but the stage ran {rec['steps']}")
+                pins[stage] = ["--step-plan", ",".join(f"{done}:{total}" for done, total in rec["step_plan"])]
+            else:  # a record from before step plans were kept: the final count (the schedule's plans differ)
+                pins[stage] = ["--steps", str(int(rec["steps"]))]
             if stage == "dit":
                 pins[stage] += ["--set", f"dit_clips={int(rec['dataset_clips'])}"]
             if stage == "distill":

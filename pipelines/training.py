@@ -50,7 +50,7 @@ class Budget:
     it late would restart the cosine schedule's decay, so the second half keeps its plan or shortens it."""
 
     def __init__(self, steps: int, budget_s: float | None, probe: int = 50,
-                 sync: Callable[[], None] | None = None):
+                 sync: Callable[[], None] | None = None, plan: list[tuple[int, int]] | None = None):
         self.sync = sync  # waits for the device's queued work before each reading of the clock (CUDA: no step syncs)
         self.cap = steps
         self.steps = steps
@@ -61,6 +61,12 @@ class Budget:
         self._warm_at = self.start
         self._last_at = self.start
         self.step_seconds: float | None = None
+        # `plan`: a budgeted run's re-plans (its `history`), replayed instead of the clock's, so that the cosine
+        # schedule, which follows the plan of the moment, sees the totals the run saw at the same steps
+        self._plan = {done: total for done, total in plan[1:]} if plan else None
+        if plan:
+            self.steps = plan[0][1]
+        self.history: list[list[int]] = [[0, self.steps]]  # [steps done, steps planned] at each change
 
     def update(self, done: int) -> None:
         timed = done == self.warm or (done >= self.probe and done % self.probe == 0)
@@ -68,6 +74,9 @@ class Budget:
             self.sync()
         if done == self.warm:
             self._warm_at = time.perf_counter()
+        before = self.steps
+        if self._plan is not None:
+            self.steps = self._plan.get(done, self.steps)
         if done >= self.probe and done % self.probe == 0:
             now = time.perf_counter()
             if done == self.probe:
@@ -76,12 +85,14 @@ class Budget:
             else:
                 seconds = (now - self._last_at) / self.probe
             self._last_at = now
-            if self.budget_s is not None and seconds > 0:
+            if self._plan is None and self.budget_s is not None and seconds > 0:
                 fit = done + int((self.budget_s - (now - self.start)) / seconds)
                 if fit < self.steps:
                     self.steps = max(fit, done)
                 elif done == self.probe or 2 * done <= self.steps:
                     self.steps = min(self.cap, fit)
+        if self.steps != before:
+            self.history.append([done, self.steps])
 
 
 def lr_at(step: int, total: int, warmup: int, lr: float) -> float:
@@ -163,12 +174,13 @@ def autocast(device: torch.device):
 def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Tensor], *, steps: int, lr: float,
               warmup: int, budget_s: float | None, device: torch.device,
               after_step: Callable[[int], None] | None = None, log: Callable[[str], None] = print,
-              name: str = "", amp: bool = True) -> dict[str, Any]:
+              name: str = "", amp: bool = True, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """AdamW on `loss_fn(step)` for `steps` steps (cut to `budget_s`), under bf16 autocast on CUDA unless `amp` is
-    False (models whose distances or spectra must stay fp32 run without it)."""
+    False (models whose distances or spectra must stay fp32 run without it). `step_plan` replays a budgeted run's
+    re-plans (its `step_plan` in train.json) in place of `steps` and the budget."""
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01, eps=1e-8)
-    budget = Budget(steps, budget_s, probe=min(50, steps),
-                    sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    budget = Budget(steps, None if step_plan else budget_s, probe=min(50, steps),
+                    sync=torch.cuda.synchronize if device.type == "cuda" else None, plan=step_plan)
     curve = Curve(every=max(1, min(50, steps // 10)))
     step = 0
 
@@ -200,7 +212,7 @@ def optimise(params: list[torch.nn.Parameter], loss_fn: Callable[[int], torch.Te
             log(f"{name}: step {step}/{budget.steps} loss {value:.5f}")
     check(curve.flush(step), step)
     seconds = time.perf_counter() - budget.start
-    return {"steps": step, "planned_steps": steps, "seconds": round(seconds, 2),
+    return {"steps": step, "planned_steps": steps, "step_plan": budget.history, "seconds": round(seconds, 2),
             "ms_per_step": round(1000 * seconds / max(1, step), 2),
             "probe_ms_per_step": round(1000 * (budget.step_seconds or 0), 2),
             "loss_curve": [[s, round(v, 6)] for s, v in curve.points]}
@@ -227,15 +239,19 @@ def pick_config(configs: dict[str, Any], name: str, **overrides: Any) -> Any:
 
 DETERMINISTIC_HELP = (
     "deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN without autotuning, CUBLAS_WORKSPACE_CONFIG "
-    ":4096:8), so that a rerun on the same card and software repeats the weights byte for byte; an op with no "
-    "deterministic kernel still runs and is named in train.json (`deterministic`); slower")
-# torch's warning, with warn_only=True, for an op that has no deterministic kernel
-_NONDETERMINISTIC = "does not have a deterministic implementation"
+    ":4096:8, attention on torch's math path), so that a rerun on the same card and software may repeat the "
+    "weights byte for byte (not yet seen on a GPU: docs/training.md); an op with no deterministic kernel still runs "
+    "and is named in train.json (`deterministic`); slower")
+# torch's warnings, with warn_only=True, for an op that has no deterministic kernel, and for one whose default
+# kernel is not deterministic ("cuDNN Attention defaults to a non-deterministic algorithm. ...")
+_NONDETERMINISTIC = ("does not have a deterministic implementation", "defaults to a non-deterministic algorithm")
 
 
-def deterministic_kernels(on: bool) -> list[str]:
+def deterministic_kernels(on: bool, cuda: bool = True) -> list[str]:
     """Switch torch to deterministic kernels (or back to the defaults: autotuned cuDNN, which the VAE's conv3d
-    shapes reward) and return the list that collects, while they are on, the ops that warned they have none."""
+    shapes reward) and return the list that collects, while they are on, the ops that warned they have none.
+    `cuda`: the stage runs on a GPU, whose fused attention kernels are then left out (the backend flags are global,
+    and the CPU's flash kernel is deterministic already)."""
     seen: list[str] = []
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS call of the process
@@ -244,18 +260,28 @@ def deterministic_kernels(on: bool) -> list[str]:
 
         def record(message, category, filename, lineno, file=None, line=None):
             text = str(message)
-            if _NONDETERMINISTIC in text and torch.are_deterministic_algorithms_enabled():
-                op = text.split(_NONDETERMINISTIC)[0].strip()
-                if op not in seen:
-                    seen.append(op)
+            for phrase in _NONDETERMINISTIC:
+                if phrase in text and torch.are_deterministic_algorithms_enabled():
+                    op = text.split(phrase)[0].strip()
+                    if op not in seen:
+                        seen.append(op)
             shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = record
-        warnings.filterwarnings("always", message=f".*{_NONDETERMINISTIC}.*")
+        for phrase in _NONDETERMINISTIC:
+            warnings.filterwarnings("always", message=f".*{phrase}.*")
     else:
         torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on  # autotuning picks kernels by timing, which differs run to run
+    # Attention on the math path alone: with warn_only, the cuDNN, memory-efficient and flash kernels run their
+    # non-deterministic backward passes (torch warns "... defaults to a non-deterministic algorithm"; flash has a
+    # deterministic mode only without warn_only). On the H200 on 2026-12-04, replays with cuDNN's attention, then
+    # with flash's, trained other weights (docs/training.md).
+    fused = not (on and cuda)
+    torch.backends.cuda.enable_cudnn_sdp(fused)
+    torch.backends.cuda.enable_mem_efficient_sdp(fused)
+    torch.backends.cuda.enable_flash_sdp(fused)
     return seen
 
 
@@ -275,6 +301,28 @@ def add_stage_arguments(parser, stages: tuple[str, ...], configs: dict[str, Any]
                         help="override one config field (repeatable; recorded in train.json), e.g. warmup=200")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    parser.add_argument("--step-plan", default=None, metavar="DONE:STEPS,...",
+                        help="replay a budgeted run's step plan (train.json's `step_plan`, e.g. 0:3000,50:986,"
+                             "100:964): the learning-rate schedule follows the plan of the moment, so a replay "
+                             "needs the run's re-plans, not only its final step count; overrides --steps and "
+                             "--budget (`mmkv train all --replay` passes it)")
+
+
+def parse_step_plan(text: str | None) -> list[tuple[int, int]] | None:
+    """`--step-plan` as [(steps done, steps planned), ...]: from 0, done strictly rising, each plan at least what is
+    done; a clear error otherwise."""
+    if text is None:
+        return None
+    try:
+        plan = [(int(a), int(b)) for a, b in (item.split(":") for item in text.split(","))]
+    except ValueError:
+        plan = []
+    ok = plan and plan[0][0] == 0 and all(b >= a >= 0 for a, b in plan) and all(
+        p[0] < q[0] for p, q in zip(plan, plan[1:])) and plan[-1][1] > 0
+    if not ok:
+        raise ValueError(f"--step-plan {text!r}: expected DONE:STEPS pairs separated by commas, the first 0:N, "
+                         "DONE rising and each STEPS at least its DONE (train.json's `step_plan`)")
+    return plan
 
 
 def _typed(old: Any, text: str) -> Any:
@@ -323,6 +371,7 @@ class StageRun:
     init: Path | None
     deterministic: bool = False
     nondeterministic_ops: list[str] = field(default_factory=list)  # ops that warned, with deterministic kernels on
+    step_plan: list[tuple[int, int]] | None = None  # `--step-plan`: a budgeted run's re-plans, replayed
     started: float = field(default_factory=time.perf_counter)
 
     def log(self, msg: str) -> None:
@@ -342,6 +391,7 @@ def start_stage(args, first_stage: str, previous: dict[str, tuple[str, ...]] | N
     `first_stage` (the output of one of the stages `previous[stage]` names, when given), --init from the same stage
     (or one of `init_from[stage]`, stages whose output also holds this stage's weights); then create --out."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    step_plan = parse_step_plan(getattr(args, "step_plan", None))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu (slow) or a GPU machine")
     out = Path(args.out)
@@ -365,7 +415,9 @@ def start_stage(args, first_stage: str, previous: dict[str, tuple[str, ...]] | N
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     deterministic = bool(getattr(args, "deterministic", False))
-    return StageRun(args.stage, device, out, source, init, deterministic, deterministic_kernels(deterministic))
+    return StageRun(args.stage, device, out, source, init, deterministic,
+                    deterministic_kernels(deterministic, cuda=device.type == "cuda"),
+                    step_plan=step_plan)
 
 
 def stage_record(run: StageRun, args, config: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:

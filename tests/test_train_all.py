@@ -228,10 +228,16 @@ def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):
     copy = tmp_path / "cut"
     shutil.copytree(run, copy)
     cuts = {"vae": 4, "dit": 6, "distill": 5}
+    # the budget's re-plans, which the learning-rate schedule followed (the dit record is one from before they were
+    # kept: its final count alone is pinned)
+    plans = {"vae": [[0, 9], [2, 6], [3, 4]], "distill": [[0, 5]]}
     for stage, steps in cuts.items():
         path = copy / "video" / stage / "train.json"
         rec = json.loads(path.read_text())
         rec["steps"] = steps
+        rec.pop("step_plan")
+        if stage in plans:
+            rec["step_plan"] = plans[stage]
         if stage == "distill":
             rec["ode_trajectories"] = {"3-frame blocks": 2, "1-frame blocks": 0}
         path.write_text(json.dumps(rec))
@@ -239,7 +245,8 @@ def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):
     assert main(["train", "all", "--out", str(out), "--replay", str(copy), "--lanes", "video", "--device", "cpu"]) == 0
     for stage, steps in cuts.items():
         rec = json.loads((out / "video" / stage / "train.json").read_text())
-        assert rec["steps"] == rec["planned_steps"] == steps and rec["budget_s"] is None
+        assert rec["steps"] == steps and rec["budget_s"] is None
+        assert rec["step_plan"] == plans.get(stage, [[0, steps]])  # the run's re-plans, step for step
         assert rec["seed"] == train_all.STAGES["video"].index(stage)  # the run's seeds
     distill = json.loads((out / "video" / "distill" / "train.json").read_text())
     assert distill["ode_trajectories"] == {"3-frame blocks": 2}
@@ -248,6 +255,7 @@ def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):
     assert plan["lanes"] == ["video"] and plan["budget_s"] is None and plan["config"] == "micro"
     assert plan["replay_of"]["plan_sha256"] == sha256_file(copy / "plan.json")
     assert plan["pins"]["distill"][-1] == "ode_frame_trajectories=0"
+    assert plan["pins"]["vae"] == ["--step-plan", "0:9,2:6,3:4"] and plan["pins"]["dit"][:2] == ["--steps", "6"]
     assert (out / "video" / "eval.json").is_file() and not (out / "audio").exists()
     assert "--budget" not in (out / "video" / "vae.log").read_text().splitlines()[0]
 

@@ -546,6 +546,43 @@ def test_budget_raises_its_plan_when_steps_speed_up_in_the_first_half(monkeypatc
     assert done == 333 and t == pytest.approx(200 * 3.0 + 133 * 1.0)
 
 
+def test_a_step_plan_replays_a_budgeted_runs_schedule(monkeypatch):
+    """The cosine schedule follows the plan of the moment, which a budget re-plans every 50 steps; a replay given
+    the run's `history` (train.json's `step_plan`) sees the same plan at every step, whatever its own clock says,
+    so its learning rates are the run's step for step (the final count alone gave other rates: 2026-12-04)."""
+    from mmkv.pipelines import training
+
+    def rates(budget: "training.Budget", pace) -> list[float]:
+        clock = {"t": 0.0}
+        monkeypatch.setattr(training.time, "perf_counter", lambda: clock["t"])
+        budget.start = budget._warm_at = budget._last_at = 0.0
+        out, done = [], 0
+        while done < budget.steps:
+            out.append(training.lr_at(done, budget.steps, 100, 1e-3))
+            clock["t"] += pace(done)
+            done += 1
+            budget.update(done)
+        return out
+
+    run = training.Budget(3000, 300.0, probe=50)
+    want = rates(run, lambda d: 0.30 if d < 120 else (0.27 if d < 400 else 0.33))  # a host whose pace moves
+    assert len(run.history) >= 3 and run.history[0] == [0, 3000] and run.history[-1][1] == len(want)
+    replay = training.Budget(3000, None, probe=50, plan=[tuple(x) for x in run.history])
+    got = rates(replay, lambda d: 0.2)  # a faster machine: the clock no longer plans
+    assert got == want and replay.history == run.history
+    final_only = rates(training.Budget(len(want), None, probe=50), lambda d: 0.2)
+    assert len(final_only) == len(want) and final_only != want
+
+
+@pytest.mark.parametrize("text", ["50:900", "0:900,40:800,30:700", "0:900,x:1", "0:900,60:50", ""])
+def test_step_plan_refuses_malformed_plans(text):
+    from mmkv.pipelines.training import parse_step_plan
+
+    with pytest.raises(ValueError, match="--step-plan .*expected DONE:STEPS pairs"):
+        parse_step_plan(text)
+    assert parse_step_plan("0:900,50:800") == [(0, 900), (50, 800)] and parse_step_plan(None) is None
+
+
 def test_object_mask_is_the_named_object_only():
     """The VAE's object weight must land on the named object's pixels and nowhere else in rendered clips."""
     from mmkv.pipelines.wan import scenes
@@ -664,17 +701,25 @@ def test_deterministic_kernels_name_the_ops_without_one_and_switch_back():
     from mmkv.pipelines.training import deterministic_kernels
 
     try:
+        assert deterministic_kernels(True, cuda=False) == [] and torch.backends.cuda.flash_sdp_enabled()  # a CPU stage
         seen = deterministic_kernels(True)
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark
+        # attention on the math path alone: the fused kernels' backward passes are not deterministic under warn_only
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
         for _ in range(2):
             warnings.warn("scatter_add_cuda_kernel does not have a deterministic implementation, but you set "
                           "'torch.use_deterministic_algorithms(True, warn_only=True)'.")
         warnings.warn("another warning")
-        assert seen == ["scatter_add_cuda_kernel"]
+        warnings.warn("cuDNN Attention defaults to a non-deterministic algorithm. To explicitly enable determinism "
+                      "call torch.use_deterministic_algorithms(True, warn_only=False).")
+        assert seen == ["scatter_add_cuda_kernel", "cuDNN Attention"]
     finally:
         deterministic_kernels(False)
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()
 
 
 def test_a_deterministic_stage_records_it_and_trains_the_same_weights_on_the_cpu(stages, tmp_path):

@@ -188,7 +188,8 @@ def get_config(name: str, **overrides: Any) -> AudioTrainConfig:
 
 
 def train_clap(cfg: AudioTrainConfig, out: Path, *, device: torch.device, seed: int, budget_s: float | None,
-               init: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+               init: Path | None = None, log: Callable[[str], None] = print,
+               step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     from transformers import ClapModel
 
     t_start = time.perf_counter()
@@ -222,7 +223,8 @@ def train_clap(cfg: AudioTrainConfig, out: Path, *, device: torch.device, seed: 
 
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(model.parameters()), loss_fn, steps=cfg.clap_steps, lr=cfg.clap_lr, warmup=cfg.warmup,
-                     budget_s=remaining, device=device, after_step=clamp_scales, log=log, name="clap", amp=False)
+                     budget_s=remaining, device=device, after_step=clamp_scales, log=log, name="clap", amp=False,
+                     step_plan=step_plan)
     model.eval()
     write_clap(out / "clap", model, extractor, tokenizer)
     stats["retrieval"] = retrieval(model, tokenizer, extractor, cfg, device)
@@ -259,7 +261,7 @@ def _stage_file(folder: Path, name: str, what: str) -> Path:
 
 def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.device, seed: int,
               budget_s: float | None, init: Path | None = None,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     if not (source / "clap" / "config.json").is_file():
         raise FileNotFoundError(f"--from {source} holds no clap/ folder: give the clap stage's output")
@@ -296,7 +298,7 @@ def train_sat(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
 
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(sat.parameters()), loss_fn, steps=cfg.sat_steps, lr=cfg.sat_lr, warmup=cfg.warmup,
-                     budget_s=remaining, device=device, log=log, name="sat", amp=False)
+                     budget_s=remaining, device=device, log=log, name="sat", amp=False, step_plan=step_plan)
     sat.eval().requires_grad_(False)
     save_released_format(sat, out / f"SAT_{cfg.name}.pth")
     _copy_tree(source / "clap", out / "clap")
@@ -356,7 +358,7 @@ def encode_clips(sat: SAT, clap_model, extractor, wave: torch.Tensor, cfg: Audio
 
 def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.device, seed: int,
               budget_s: float | None, init: Path | None = None,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     from transformers import ClapFeatureExtractor, ClapModel
 
     t_start = time.perf_counter()
@@ -390,7 +392,7 @@ def train_aar(cfg: AudioTrainConfig, source: Path, out: Path, *, device: torch.d
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(aar.parameters()), loss_fn, steps=cfg.aar_steps, lr=cfg.aar_lr, warmup=cfg.warmup,
                      budget_s=remaining, device=device, after_step=lambda s: ema_update(ema, aar, cfg.ema, s), log=log,
-                     name="aar", amp=False)
+                     name="aar", amp=False, step_plan=step_plan)
     ema.eval()
     save_released_format(ema, out / f"AAR_{cfg.name}.pth")
     if sat_path.resolve() != (out / sat_path.name).resolve():
@@ -511,7 +513,8 @@ def run(args: argparse.Namespace) -> int:
     # may stand for them: `train all --start-at aar` reads the SAT and CLAP of an aar output (or audio release).
     st = start_stage(args, first_stage="clap", previous={"sat": ("clap", "sat", "aar"), "aar": ("sat", "aar")},
                      init_from={"clap": STAGES, "sat": ("sat", "aar"), "aar": ("aar",)})
-    common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
+    common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log,
+                  step_plan=st.step_plan)
     if args.stage == "clap":
         stats = train_clap(cfg, st.out, **common)
     elif args.stage == "sat":

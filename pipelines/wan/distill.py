@@ -78,7 +78,7 @@ def ode_rollout(dit, context: torch.Tensor, uncond: torch.Tensor | None, noise: 
 
 def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch.device, seed: int,
             budget_s: float | None, init: Path | None = None,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+            log: Callable[[str], None] = print, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     from mmkv.pipelines.wan.loaders import load_wan
 
     t_start = time.perf_counter()
@@ -170,7 +170,8 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(student.parameters()), loss_fn, steps=cfg.distill_steps, lr=cfg.distill_lr,
                       warmup=cfg.warmup, budget_s=remaining, device=device,
-                      after_step=lambda s: ema_update(ema, student, cfg.ema, s), log=log, name="distill")
+                      after_step=lambda s: ema_update(ema, student, cfg.ema, s), log=log, name="distill",
+                      step_plan=step_plan)
     size = write_release(out, cfg, vae=vae, encoder=encoder, tokenizer=tokenizer, dit=ema,
                          base_from=dit_folder / "base")
     note_release_size(size, log)

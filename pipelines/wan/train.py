@@ -410,7 +410,7 @@ def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor, object_weight: float
 
 def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: int, budget_s: float | None,
               init: Path | None = None, decoder_only: bool = False,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """With `decoder_only` (needs `init`) the encoder is frozen and its latent statistics kept, so a DiT trained on
     the init's latents stays valid; the decoder learns from the posterior mean."""
     if decoder_only and init is None:
@@ -445,7 +445,7 @@ def train_vae(cfg: VideoTrainConfig, out: Path, *, device: torch.device, seed: i
         start = {k: v.detach().clone() for k, v in vae.named_parameters() if v.requires_grad}
     params = [p for p in vae.parameters() if p.requires_grad]
     stats = optimise(params, loss_fn, steps=cfg.vae_steps, lr=cfg.vae_lr, warmup=cfg.warmup, budget_s=budget_s,
-                     device=device, log=log, name="vae")
+                     device=device, log=log, name="vae", step_plan=step_plan)
     vae.eval()
     if not decoder_only:
         set_latent_stats(vae, cfg, seed, device)
@@ -654,7 +654,7 @@ def build_dataset(vae, cfg: VideoTrainConfig, device: torch.device, seed: int, b
 
 def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: torch.device, seed: int,
               budget_s: float | None, init: Path | None = None,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     vae = _load_vae(vae_folder, device)
     data, captions, data_seeds, objects = build_dataset(vae, cfg, device, seed,
@@ -710,7 +710,7 @@ def train_dit(cfg: VideoTrainConfig, vae_folder: Path, out: Path, *, device: tor
     remaining = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
     stats = optimise(list(dit.parameters()) + list(encoder.parameters()), loss_fn, steps=cfg.dit_steps,
                       lr=cfg.dit_lr, warmup=cfg.warmup, budget_s=remaining, device=device, after_step=after, log=log,
-                      name="dit")
+                      name="dit", step_plan=step_plan)
     size = write_release(out, cfg, vae=vae, encoder=ema_enc, tokenizer=tokenizer, dit=ema_dit)
     note_release_size(size, log)
     return {**stats, "dataset_clips": len(data_seeds), "dataset_seed": seed, "release_bytes": size}
@@ -737,7 +737,8 @@ def run(args: argparse.Namespace) -> int:
     # A dit or distill output holds the VAE it was trained on (base/vae): the vae stage may continue from it.
     # A distill output holds a DiT too (the student, a close init for more teacher-forced steps).
     st = start_stage(args, first_stage="vae", init_from={"vae": STAGES, "dit": ("dit", "distill")})
-    common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log)
+    common = dict(device=st.device, seed=args.seed, budget_s=args.budget, init=st.init, log=st.log,
+                  step_plan=st.step_plan)
     if args.stage == "vae":
         stats = train_vae(cfg, st.out, decoder_only=args.decoder_only, **common)
         if args.decoder_only and has_release(st.init):
