@@ -47,6 +47,13 @@ def test_tiny_bench_profiles_a_rollout_per_codec(tmp_path):
         prof = row["profile"]
         assert prof["wall_s"] > 0 and prof["host_top_ms"] and all(v >= 0 for v in prof["host_top_ms"].values())
         assert {"gpu_kernel_s", "launches", "host_syncs", "cuda_mallocs"} <= set(prof)
+        # the host's Python by function (one more rollout under cProfile): the rollout's own loop is in it
+        assert prof["python_s"] > 0 and prof["c_functions_s"] > 0 and len(prof["python_top_ms"]) == 12
+        assert list(prof["python_top_ms"]) == list(prof["python_top_calls"])
+        assert all(v >= 0 for v in prof["python_top_ms"].values())
+        assert list(prof["python_top_ms"].values()) == sorted(prof["python_top_ms"].values(), reverse=True)
+    kivi = rows[1]["profile"]["python_top_ms"]
+    assert any(k.startswith(("codecs/", "cache/")) for k in kivi), kivi  # the codec's and store's Python shows
 
 
 def test_refuses_without_cuda(capsys):

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mmkv.bench.video import PAIRED_HELP, profile_summary, ratio, save_rows, timed
+from mmkv.bench.video import PAIRED_HELP, profile_summary, python_profile, ratio, save_rows, timed
 from mmkv.cache.flags import add_cache_arguments
 
 # The demo's codecs for the trained models without identity (mmkv/demo.py TRAINED_CODECS): QVG with 16 centres a
@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed rollouts per codec; the median is reported (default 3)")
     parser.add_argument("--paired", action="store_true", help=PAIRED_HELP)
     parser.add_argument("--profile", action="store_true",
-                        help="also run one rollout per codec under torch.profiler and report GPU kernel seconds, "
-                             "launches, host syncs and the host's costliest ops next to the wall time (as bench video)")
+                        help="also run one rollout per codec under torch.profiler and one under cProfile, and report "
+                             "GPU kernel seconds, launches, host syncs, the host's costliest ops and its costliest "
+                             "Python functions next to the wall time (as bench video)")
     parser.add_argument("--json", type=Path, help="write the rows here")
 
 
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                 with profile(activities=activities) as prof:
                     wall = one(codec)["seconds"]
-                rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages())}
+                rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages()),
+                                       **python_profile(lambda: one(codec))}
                 save_rows(args.json, rows)
                 print(f"  profiled: {rows[-1]['profile']}", flush=True)
         except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows

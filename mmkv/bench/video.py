@@ -59,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the first full-length rollout after a two-block warm-up ran slow in runs L and M, "
                              "docs/perf.md; costs one more full rollout per codec)")
     parser.add_argument("--profile", action="store_true",
-                        help="also run one rollout per codec (largest frame count) under torch.profiler and report GPU "
-                             "kernel seconds, kernel launches and host syncs next to the wall time")
+                        help="also run one rollout per codec (largest frame count) under torch.profiler and one under "
+                             "cProfile, and report GPU kernel seconds, kernel launches, host syncs and the host's "
+                             "costliest ops and Python functions next to the wall time")
     parser.add_argument("--count-syncs", action="store_true",
                         help="also run one rollout per codec (largest frame count) under torch.cuda's sync debug mode "
                              "and report how many host syncs torch ops made, by source line (cheaper than --profile)")
@@ -252,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
 
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         wall = one(preset, codec, frame_counts[-1])["seconds"]
-                    rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages())}
+                    rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages()),
+                                           **python_profile(lambda: one(preset, codec, frame_counts[-1]))}
                     print(f"  profiled: {rows[-1]['profile']}", flush=True)
             except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
                 if codec is None:
@@ -321,6 +323,33 @@ def count_syncs(fn) -> dict:
         if "synchroniz" in str(w.message):
             lines[f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"] += 1
     return {"total": sum(lines.values()), "by_line": dict(lines.most_common(8))}
+
+
+def python_profile(fn, top: int = 12) -> dict:
+    """Where the host's Python went while `fn` ran (`cProfile`, one more rollout): its own time (`tottime`, callees
+    excluded) by Python function, the costliest `top` as "folder/file:line function", and its total beside the time
+    in C functions (torch's ops and launches, Triton's driver calls). The torch profiler's host ops do not show the
+    Python between them: the store's bookkeeping, the codecs' checks, Triton's launcher."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
+    py = {(f, line, name): v for (f, line, name), v in stats.items() if f != "~"}
+    costly = sorted(py.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {
+        "python_s": round(sum(v[2] for v in py.values()), 3),
+        "c_functions_s": round(sum(v[2] for k, v in stats.items() if k[0] == "~"), 3),
+        "python_top_ms": {f"{Path(f).parent.name}/{Path(f).name}:{line} {name}"[:80]: round(v[2] * 1e3, 1)
+                          for (f, line, name), v in costly},
+        "python_top_calls": {f"{Path(f).parent.name}/{Path(f).name}:{line} {name}"[:80]: v[1]
+                             for (f, line, name), v in costly},
+    }
 
 
 def profile_summary(events) -> dict:
