@@ -6,6 +6,9 @@ same order as the reference, so the output is bit-identical to it.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,10 +30,10 @@ def e4m3_value(b):
 
 @jit
 def _decode_kernel(
-    codes_ptr, scale_ptr, zero_ptr, ids_ptr, c_ptr, out_ptr,
-    N, K, P, row_bytes, N1, N2, S0, S1, S2,
+    codes_ptr, scale_ptr, zero_ptr, ids_ptr, c_ptr, out_ptr, starts_ptr,
+    N, K, KT, NU, P, row_bytes, N1, N2, S0, S1, S2,
     D: tl.constexpr, BT: tl.constexpr, BLK: tl.constexpr, BITS: tl.constexpr, ASYM: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, UNITS: tl.constexpr, UP: tl.constexpr,
 ):
     NB: tl.constexpr = D // BLK
     _, p, t0, n_tok = token_block(N, BT)
@@ -49,13 +52,26 @@ def _decode_kernel(
     else:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         acc = (q - QMAX) * s
+    if UNITS:  # joined spans (`QVGCodec.join_units`): a token of span u reads the centres from u * K on
+        uu = tl.arange(0, UP)
+        ends = tl.load(starts_ptr + 1 + uu, mask=uu < NU, other=2147483647)
+        cbase = tl.sum((tok[:, None] >= ends[None, :]).to(tl.int64), 1) * K
+    else:
+        cbase = tok * 0
     for st in tl.static_range(STAGES):
-        ids = tl.load(ids_ptr + (st * P + p) * N + tok, mask=tmask, other=0).to(tl.int64)
-        c = tl.load(c_ptr + (st * P + p) * K * D + ids[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
+        ids = tl.load(ids_ptr + (st * P + p) * N + tok, mask=tmask, other=0).to(tl.int64) + cbase
+        c = tl.load(c_ptr + (st * P + p) * KT * D + ids[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
         acc = acc + c.to(tl.float32)
     tl.store(out_ptr + out_row(p, N1, N2, S0, S1, S2) + tok[:, None] * D + jj[None, :],
              cast_to(acc, out_ptr.dtype.element_ty),
              mask=tmask[:, None])
+
+
+@functools.lru_cache(maxsize=256)
+def unit_starts(units: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Joined spans' first tokens and the end: int32 [len(units) + 1] on `device`, made once per (units, device) and
+    read only, so a decode launches no copy for it."""
+    return torch.tensor([0, *itertools.accumulate(units)], dtype=torch.int32, device=device)
 
 
 def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,10 +91,13 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
         scales = t["scales"].contiguous().view(torch.uint8)
         zeros = t["zeros"].contiguous().view(torch.uint8) if codec.asymmetric else scales
         bt = block_tokens(d)
+        units = codec.units(enc) if stages else None
         _decode_kernel[(triton.cdiv(n, bt), p)](
-            t["codes"].contiguous(), scales, zeros, ids, cents, out,
-            n, codec.centroids, p, t["codes"].shape[-1], *rows_at,
+            t["codes"].contiguous(), scales, zeros, ids, cents, out, unit_starts(units, dev) if units else scales,
+            n, codec.centroids, codec.centroids * (len(units) if units else 1), len(units) if units else 0, p,
+            t["codes"].shape[-1], *rows_at,
             D=d, BT=bt, BLK=codec.block, BITS=codec.bits, ASYM=codec.asymmetric, STAGES=stages,
+            UNITS=bool(units), UP=triton.next_power_of_2(len(units)) if units else 1,
             num_warps=4, **LAUNCH,
         )
     return out if kernel_dtype == dtype else out.to(dtype)

@@ -711,7 +711,8 @@ def test_units_whose_packed_rows_end_inside_a_byte_join_into_one_segment(codec, 
     assert stats["v_payload_nbytes"] == sum(s.v_nbytes for st in merged._layers for s in st.segs if s.encoded)
 
 
-@pytest.mark.parametrize("codec", ["kivi:bits=2,group=32", "oscar:bits=2,group=32", "kivi:bits=4,group=2"])
+@pytest.mark.parametrize("codec", ["kivi:bits=2,group=32", "oscar:bits=2,group=32", "kivi:bits=4,group=2",
+                                   "qvg:bits=2,centroids=2,block=16", "qvg:bits=4,centroids=3,block=16,stages=2"])
 def test_grouped_keys_of_unequal_units_join_into_one_segment(codec, monkeypatch):
     """KIVI's and OScaR's keys group over each unit's tokens; units of unequal length (an AAR's scales) used to stay
     one segment each, decoded one call apiece. The store now stacks equal ones and joins the rest along the tokens
@@ -743,7 +744,8 @@ def test_grouped_keys_of_unequal_units_join_into_one_segment(codec, monkeypatch)
         for a, b in zip(merged.past(layer), single.past(layer)):
             assert torch.equal(a, b)
     assert merged.nbytes() == single.nbytes() == sum(s.nbytes for st in merged._layers for s in st.segs)
-    assert not store_for("qvg:bits=2,centroids=2,block=16", residual_window=1).ragged  # spans keep their centres
+    assert store_for("qvg:bits=2,centroids=2,block=16", residual_window=1).ragged  # each span's centres in turn
+    assert not store_for("qvg:bits=2,centroids=2,block=16,stages=0", residual_window=1).ragged  # nothing to tell
 
 
 def test_joined_keys_of_unequal_units_skip_the_fused_kernels(monkeypatch):
@@ -792,11 +794,11 @@ def test_stacked_units_decode_in_one_call_per_tensor(monkeypatch):
 
 
 @pytest.mark.parametrize("merge", [True, False])
-def test_qvg_commit_spans_stack_after_the_shorter_first(merge, monkeypatch):
-    """QVG encodes each commit's leaving units as one span with its own centres; spans of equal length stack
-    (`stack_units`), so attention decodes the encoded past in two calls per tensor (the first span, one unit
-    shorter than the rest because of the residual window, and the stack) where it took one a span. The gathered
-    past and the stored bytes equal those without merging, bit for bit."""
+def test_qvg_commit_spans_join_after_the_shorter_first(merge, monkeypatch):
+    """QVG encodes each commit's leaving units as one span with its own centres; the first span is one unit shorter
+    than the rest (the residual window), so the spans do not stack, and they join along the tokens
+    (`QVGCodec.join_units`): attention decodes the encoded past in one call per tensor where it took one a span.
+    The gathered past and the stored bytes equal those without merging, bit for bit."""
     gen = torch.Generator().manual_seed(31)
     blocks = [(rand(gen, 3 * UNIT), rand(gen, 3 * UNIT)) for _ in range(5)]
 
@@ -815,7 +817,9 @@ def test_qvg_commit_spans_stack_after_the_shorter_first(merge, monkeypatch):
         monkeypatch.setattr(codec, "decode", lambda enc, *a, _r=real, **kw: calls.append(enc.shape) or _r(enc, *a, **kw))
     k, v = store.past(0)
     spans = [s.stack for s in store.segments(0) if s.encoded]
-    assert spans == ([1, 4] if merge else [1] * 5) and len(calls) == 2 * len(spans)
+    assert spans == ([1] if merge else [1] * 5) and len(calls) == 2 * len(spans)
+    if merge:
+        assert store.segments(0)[0].k_enc.meta["units"] == (2 * UNIT, *[3 * UNIT] * 4)
     plain = run(False)
     assert all(torch.equal(a, b) for a, b in zip((k, v), plain.past(0)))
     assert store.nbytes() == plain.nbytes() == sum(s.nbytes for s in store._layers[0].segs)

@@ -278,6 +278,32 @@ def test_grouped_keys_join_units_of_any_length(preset):
     assert not odd.joins_units and odd.join_units([odd.encode(_x((1, t, 4), t, torch.float32)) for t in (2, 3)]) is None
 
 
+@pytest.mark.parametrize("preset", ["qvg:bits=2,centroids=4,block=16", "qvg:bits=4,centroids=3,block=16,stages=2",
+                                    "qvg:bits=2,centroids=4,block=16,asymmetric=1"])
+def test_qvg_spans_of_any_length_join(preset):
+    """QVG's spans each hold their own centres, so spans of unequal length (an AAR's scales) could not stack;
+    `join_units` concatenates the codes, scales, zeros and ids along the tokens and the spans' centre tables one
+    after the other: the same bytes, decoded bit for bit as the spans are (a token of span u reads from u *
+    centroids on), and joined again with later spans. No stage, or codes that end inside a byte, refuse."""
+    codec = build(preset, head_dim=32, num_heads=2, seed=1)
+    assert codec.joins_units
+    xs = [_x((2, 2, t, 32), 3 + t, torch.bfloat16) for t in (1, 5, 12, 3, 20)]
+    parts = [codec.encode(x) for x in xs]
+    first = codec.join_units(parts[:3])
+    joined = codec.join_units([first, *parts[3:]])
+    assert joined.meta["units"] == (1, 5, 12, 3, 20) and joined.shape == (2, 2, 41, 32)
+    assert len(joined.meta["units_kmeans_iters"]) == 5
+    assert joined.nbytes == sum(p.nbytes for p in parts)
+    assert torch.equal(codec.decode(joined), torch.cat([codec.decode(p) for p in parts], 2))
+    assert torch.equal(codec.decode(first), torch.cat([codec.decode(p) for p in parts[:3]], 2))
+    none = build(preset + ",stages=0" if "stages" not in preset else preset.replace("stages=2", "stages=0"),
+                 head_dim=32, num_heads=2, seed=1)
+    assert not none.joins_units and none.join_units([none.encode(x) for x in xs[:2]]) is None
+    odd = build("qvg:bits=2,centroids=2,block=4", head_dim=6, seed=1)  # 12 bits a token: not whole bytes
+    assert not odd.joins_units
+    assert odd.join_units([odd.encode(_x((1, 1, t, 6), t, torch.float32)) for t in (2, 3)]) is None
+
+
 @pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=16", "kivi:bits=4,group=16,role=v",
                                     "qvg:bits=2,centroids=8,block=16", "qvg:bits=4,centroids=4,block=16,stages=2"])
 def test_stackable_codecs_decode_a_stack_like_each_unit(preset):

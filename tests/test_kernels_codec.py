@@ -530,11 +530,13 @@ def test_decode_out_rows_names_layouts_it_cannot_write():
         decode_out_rows((3, 5, 8), torch.float32, "cpu", torch.empty(3, 8, 5).transpose(-1, -2))
 
 
-@pytest.mark.parametrize("preset, stacks", [("kivi:bits=2,group=16", [5]), ("oscar:bits=4,group=16", [5]),
-                                            ("qvg:bits=2,centroids=8,block=16", [1, 2])])
-def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, stacks, monkeypatch):
-    """A KVStore's stacked KIVI / OScaR past (units) or QVG past (commit spans of 2 units after a first span of 1),
-    gathered on the decode kernels (straight into token order), equals the torch reference's gather bit for bit."""
+@pytest.mark.parametrize("preset, window, stacks", [("kivi:bits=2,group=16", 1, [5]), ("oscar:bits=4,group=16", 1, [5]),
+                                                    ("qvg:bits=2,centroids=8,block=16", 2, [2]),
+                                                    ("qvg:bits=2,centroids=8,block=16", 1, [1])])
+def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, window, stacks, monkeypatch):
+    """A KVStore's stacked KIVI / OScaR past (units) or QVG past (two commit spans of 2 units; or, with a window of
+    one unit, a first span of 1 and spans of 2, joined along the tokens), gathered on the decode kernels (straight
+    into token order), equals the torch reference's gather bit for bit."""
     from mmkv.cache import CacheConfig, KVStore
 
     def past(on_kernels: bool):
@@ -542,7 +544,7 @@ def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, 
             import mmkv.codecs.base as base_mod
 
             monkeypatch.setattr(base_mod, "_kernel", lambda codec, op, device: K["dispatch"].lookup(op, codec))
-        store = KVStore(CacheConfig(codec=preset, residual_window=1), num_layers=1, num_heads=2, head_dim=32)
+        store = KVStore(CacheConfig(codec=preset, residual_window=window), num_layers=1, num_heads=2, head_dim=32)
         g = torch.Generator().manual_seed(14)
         for _ in range(3):
             k, v = (torch.randn(1, 2, 2 * 16, 32, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -555,12 +557,13 @@ def test_store_gathers_a_stacked_past_on_the_kernels_like_the_reference(preset, 
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=8", "kivi:bits=4,group=4"])
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=3,group=8", "kivi:bits=4,group=4",
+                                    "qvg:bits=2,centroids=4,block=16", "qvg:bits=4,centroids=3,block=16,stages=2"])
 def test_store_gathers_joined_scales_on_the_kernels_like_the_reference(preset, monkeypatch):
     """Units of unequal length (an AAR's scales: 1, 2, 4, 3, 6, 12, 5 tokens, after the first two equal ones were
-    stacked) joined along the tokens (`RoleCodec.join_units`): the decode kernel finds each token's group in its own
-    unit (a table of the units' first tokens and groups) and gathers straight into the buffer, bit for bit the
-    torch reference's past; one decode call for K and one for V."""
+    stacked) joined along the tokens (`RoleCodec.join_units`, `QVGCodec.join_units`): the decode kernel finds each
+    token's group (KIVI / OScaR) or centre table (QVG) in its own unit (a table of the units' first tokens) and
+    gathers straight into the buffer, bit for bit the torch reference's past; one decode call for K and one for V."""
     from mmkv.cache import CacheConfig, KVStore
 
     def past(on_kernels: bool):

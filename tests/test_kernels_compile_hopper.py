@@ -126,22 +126,26 @@ QVG_UPDATE = textwrap.dedent("""
     out.append((len(k.asm["cubin"]), "div.rn.f64" in k.asm["ptx"]))
     from mmkv.kernels import qvg_decode  # the decode with its output rows in up to three strided levels (a stack)
     sig = {"codes_ptr": "*u8", "scale_ptr": "*u8", "zero_ptr": "*u8", "ids_ptr": "*u8", "c_ptr": "*bf16",
-           "out_ptr": "*bf16", "N": "i32", "K": "i32", "P": "i32", "row_bytes": "i32", "N1": "i32", "N2": "i32",
-           "S0": "i64", "S1": "i64", "S2": "i64", "D": "constexpr", "BT": "constexpr", "BLK": "constexpr",
-           "BITS": "constexpr", "ASYM": "constexpr", "STAGES": "constexpr"}
-    consts = {"D": 128, "BT": qvg_decode.block_tokens(128), "BLK": 64, "BITS": 2, "ASYM": False, "STAGES": 1}
-    k = triton.compile(ASTSource(fn=qvg_decode._decode_kernel, signature=sig, constexprs=consts),
-                       target=target, options={"num_warps": 4, **LAUNCH})
-    out.append((len(k.asm["cubin"]), True))
+           "out_ptr": "*bf16", "starts_ptr": "*i32", "N": "i32", "K": "i32", "KT": "i32", "NU": "i32", "P": "i32",
+           "row_bytes": "i32", "N1": "i32", "N2": "i32", "S0": "i64", "S1": "i64", "S2": "i64", "D": "constexpr",
+           "BT": "constexpr", "BLK": "constexpr", "BITS": "constexpr", "ASYM": "constexpr", "STAGES": "constexpr",
+           "UNITS": "constexpr", "UP": "constexpr"}
+    for units, up in [(False, 1), (True, 16)]:  # one span or a stack; joined spans (an AAR's 15 scales)
+        consts = {"D": 64 if units else 128, "BT": qvg_decode.block_tokens(64 if units else 128), "BLK": 64,
+                  "BITS": 2, "ASYM": False, "STAGES": 1, "UNITS": units, "UP": up}
+        k = triton.compile(ASTSource(fn=qvg_decode._decode_kernel, signature=sig, constexprs=consts),
+                           target=target, options={"num_warps": 4, **LAUNCH})
+        out.append((len(k.asm["cubin"]), True))
     print(json.dumps(out))
 """)
 
 
 def test_qvg_centre_update_kernels_compile_for_sm90(tmp_path):
     """QVG's centre update: fp64 atomic adds (native on sm_90) and an IEEE fp64 division, as the reference's torch
-    ops compute them; and its decode, which writes a stack of spans into token order."""
+    ops compute them; and its decode, which writes a stack of spans into token order, with and without joined spans
+    (a token's centre table found from the spans' first tokens)."""
     built = compiled(QVG_UPDATE, cache=tmp_path)
-    assert [ok for _, ok in built] == [True, True, True] and all(size > 1000 for size, _ in built)
+    assert [ok for _, ok in built] == [True] * 4 and all(size > 1000 for size, _ in built)
 
 
 TCQ_FINISH = textwrap.dedent("""

@@ -30,6 +30,7 @@ shorter block (the release requires block | D).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -130,6 +131,14 @@ def kmeans(
                 return ids, c, it + 1
         c, prev = new, ids
     return ids, c, iters
+
+
+@functools.lru_cache(maxsize=256)
+def centre_bases(units: tuple[int, ...], centroids: int, device: torch.device) -> torch.Tensor:
+    """Joined spans (`QVGCodec.join_units`): each token's first centre in the joined table, u * centroids for a
+    token of span u; int64 [sum(units)], kept per (units, centroids, device), read only."""
+    bases = torch.arange(len(units)) * centroids
+    return torch.repeat_interleave(bases, torch.tensor(units)).to(device)
 
 
 def gather_centroids(centroids: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -257,6 +266,8 @@ class QVGCodec(Codec):
     # the per-stage ids and centres on their axis 2 (after the stage and batch axes).
     stackable = True
     stack_axes = {"ids": 2, "centroids": 2}
+    # ... and spans of any lengths (an AAR's scales) join along the tokens (`join_units`), each field on its axis
+    join_axes = {"codes": -1, "scales": -2, "zeros": -2, "ids": -1, "centroids": -2}
 
     @classmethod
     def value_config(cls, config, group: int = 32):
@@ -269,6 +280,37 @@ class QVGCodec(Codec):
         self.tol, self.asymmetric = cfg.tol, cfg.asymmetric
         self.span_units = cfg.span_units or None  # read by mmkv.cache.KVStore
         self.qmax = (1 << (self.bits - 1)) - 1
+
+    @property
+    def joins_units(self) -> bool:
+        """Whether spans of unequal length join (`join_units`): with at least one stage (the centres tell the
+        spans apart) and codes that fill whole bytes a token."""
+        return self.stages >= 1 and (self.head_dim * self.bits) % 8 == 0
+
+    def units(self, enc: Encoded) -> tuple[int, ...] | None:
+        """The token counts of the spans `join_units` joined into `enc` (None for one span or a stack)."""
+        return enc.meta.get("units")
+
+    def join_units(self, encs: list[Encoded]) -> Encoded | None:
+        """Consecutive spans of any token counts (an AAR's scales) as one encoding that decodes, bit for bit, as the
+        spans do: the code rows (whole bytes a token), scales, zeros and ids concatenated along the tokens, each
+        span's centre tables one after the other (`join_axes`); a token of span u finds its centre at u * centroids
+        + id (`centre_bases`). The spans' token counts go in `meta["units"]`, their k-means iterations in
+        `meta["units_kmeans_iters"]`. The same bytes as the spans. None when it cannot be done exactly: no stage,
+        codes that end inside a byte, stacks, differing layouts."""
+        if not self.joins_units or len(encs) < 2:
+            return None
+        first = encs[0]
+        if any(len(e.shape) != 4 or tuple(e.shape[:2]) != tuple(first.shape[:2]) or e.shape[-1] != first.shape[-1]
+               or e.codec != first.codec or e.dtype != first.dtype or list(e.tensors) != list(first.tensors)
+               for e in encs):
+            return None
+        units = tuple(n for e in encs for n in (self.units(e) or (e.shape[-2],)))
+        iters = tuple(it for e in encs
+                      for it in e.meta.get("units_kmeans_iters", (tuple(e.meta.get("kmeans_iters", ())),)))
+        tensors = {k: torch.cat([e.tensors[k] for e in encs], dim=self.join_axes[k]) for k in first.tensors}
+        shape = (*first.shape[:2], sum(units), first.shape[-1])
+        return Encoded(first.codec, shape, first.dtype, tensors, {"units": units, "units_kmeans_iters": iters})
 
     # -- protocol ----------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Encoded:
@@ -339,8 +381,12 @@ class QVGCodec(Codec):
         t = enc.tensors
         codes = unpack_bits(t["codes"], self.bits, n * d).reshape(*lead, n, d)
         out = dequantize_residual(codes, t["scales"], t.get("zeros"), self.bits, self.block)
+        units = self.units(enc)
         for stage in range(self.stages):  # the release's accumulation order: residual first, then stage by stage
-            out = out + gather_centroids(t["centroids"][stage], t["ids"][stage]).float()
+            ids = t["ids"][stage]
+            if units:  # joined spans: each span's centres follow the last one's
+                ids = ids.long() + centre_bases(units, self.centroids, ids.device)
+            out = out + gather_centroids(t["centroids"][stage], ids).float()
         return out
 
     def expected_bits(self, tokens: int) -> float:
