@@ -1,7 +1,7 @@
 """GPU check of joined units: an AAR-shaped store (16 scales of 1 to 75 tokens, 16 heads x 64, batch 2, bf16, two
 layers, residual window 1) built once on the codec kernels and once on the torch references, on the same GPU and
 inputs. For each preset: the kernel's decode of the joined past against the reference decode of the same encoding
-(K and V, bit for bit), the bytes held, the segments left and the units a joined KIVI / OScaR key records, and how
+(K and V, bit for bit), the bytes held, the segments left and the units a joined KIVI / OScaR key or QVG span records, and how
 far the two stores' pasts and attention outputs lie apart (the encoders round a few values at cell boundaries the
 other way).
 
@@ -21,7 +21,7 @@ from mmkv.cache import CacheConfig, KVStore
 
 SCALES = (1, 2, 4, 6, 9, 12, 16, 20, 25, 31, 37, 43, 50, 58, 66, 75)  # the AAR's tokens a scale
 PRESETS = ["kivi:bits=2,group=32", "kivi:bits=4,group=32", "oscar:bits=2", "oscar:bits=4", "octopus:b=2",
-           "octopus:b=4", "turboquant-mse:b=2", "tcq:bits=2"]
+           "octopus:b=4", "turboquant-mse:b=2", "tcq:bits=2", "qvg:bits=2,centroids=16", "qvg:bits=4,centroids=16"]
 
 
 def rollout(preset: str, kernels: bool, device: torch.device) -> dict:
