@@ -1,9 +1,9 @@
 """GPU check of joined units: an AAR-shaped store (16 scales of 1 to 75 tokens, 16 heads x 64, batch 2, bf16, two
 layers, residual window 1) built once on the codec kernels and once on the torch references, on the same GPU and
 inputs. For each preset: the kernel's decode of the joined past against the reference decode of the same encoding
-(K and V, bit for bit), the bytes held, the segments left and the units a joined KIVI / OScaR key or QVG span records, and how
-far the two stores' pasts and attention outputs lie apart (the encoders round a few values at cell boundaries the
-other way).
+(K and V, bit for bit), the bytes held, the segments left and the units a joined KIVI / OScaR key or QVG span
+records, and how far the two stores' pasts and attention outputs lie apart (the encoders round a few values at cell
+boundaries the other way).
 
     python -m mmkv.kernels.gpu_check_joins [--json out.json] [--only PRESET ...]
 """
