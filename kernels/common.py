@@ -8,7 +8,9 @@ ulp (docs/decisions.md, "Codec kernels").
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import math
 import os
 import weakref
@@ -109,6 +111,22 @@ def decode_out_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         return out, flat
     (_, s0), (n1, s1), (n2, s2) = levels + [[1, 0]] * (3 - len(levels))
     return out, (n1, n2, s0, s1, s2)
+
+
+@functools.lru_cache(maxsize=256)
+def unit_starts(units: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Joined units' first tokens and the end: int32 [len(units) + 1] on `device`, made once per (units, device) and
+    read only, so a decode launches no copy for it (`unit_of` reads it)."""
+    return torch.tensor([0, *itertools.accumulate(units)], dtype=torch.int32, device=device)
+
+
+@triton.jit
+def unit_of(tok, starts_ptr, NU, UP: tl.constexpr):
+    """The unit of each token of joined units (`unit_starts`: NU units, UP >= NU a power of two): int32, NU for a
+    token past the last unit."""
+    uu = tl.arange(0, UP)
+    ends = tl.load(starts_ptr + 1 + uu, mask=uu < NU, other=2147483647)
+    return tl.sum((tok[:, None] >= ends[None, :]).to(tl.int32), 1)
 
 
 @triton.jit

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.groupquant import num_groups
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, rows_of, store_rows, token_block, vector
+from mmkv.kernels.common import (
+    LAUNCH, cast_to, decode_out_rows, jit, out_row, rows_of, store_rows, token_block, unit_of, vector,
+)
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht, fwht_lanes
@@ -40,9 +42,7 @@ def _minmax_decode_kernel(
     if CHANNEL:
         tok = t0 + tt
         if UNITS:  # joined units (`RoleCodec.join_units`): each unit's groups start at its first token
-            uu = tl.arange(0, UP)
-            ends = tl.load(starts_ptr + 1 + uu, mask=uu < NU, other=2147483647)
-            u = tl.sum((tok[:, None] >= ends[None, :]).to(tl.int32), 1)  # the unit of each token
+            u = unit_of(tok, starts_ptr, NU, UP)
             inside = u < NU
             first = tl.load(starts_ptr + u, mask=inside, other=0)
             base = tl.load(starts_ptr + NU + 1 + u, mask=inside, other=0)  # the unit's first group

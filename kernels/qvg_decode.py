@@ -6,14 +6,11 @@ same order as the reference, so the output is bit-identical to it.
 
 from __future__ import annotations
 
-import functools
-import itertools
-
 import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, token_block, unit_of, unit_starts
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qvg_encode import block_tokens, supports  # noqa: F401  (same parameter range)
 
@@ -53,9 +50,7 @@ def _decode_kernel(
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         acc = (q - QMAX) * s
     if UNITS:  # joined spans (`QVGCodec.join_units`): a token of span u reads the centres from u * K on
-        uu = tl.arange(0, UP)
-        ends = tl.load(starts_ptr + 1 + uu, mask=uu < NU, other=2147483647)
-        cbase = tl.sum((tok[:, None] >= ends[None, :]).to(tl.int64), 1) * K
+        cbase = unit_of(tok, starts_ptr, NU, UP).to(tl.int64) * K
     else:
         cbase = tok * 0
     for st in tl.static_range(STAGES):
@@ -65,13 +60,6 @@ def _decode_kernel(
     tl.store(out_ptr + out_row(p, N1, N2, S0, S1, S2) + tok[:, None] * D + jj[None, :],
              cast_to(acc, out_ptr.dtype.element_ty),
              mask=tmask[:, None])
-
-
-@functools.lru_cache(maxsize=256)
-def unit_starts(units: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Joined spans' first tokens and the end: int32 [len(units) + 1] on `device`, made once per (units, device) and
-    read only, so a decode launches no copy for it."""
-    return torch.tensor([0, *itertools.accumulate(units)], dtype=torch.int32, device=device)
 
 
 def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
