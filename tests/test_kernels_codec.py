@@ -473,6 +473,23 @@ def test_device_tables_are_shared_by_equal_content():
     assert to_device_shared(a, meta, "other") is not first  # keys never mix
     a["s"][0] = 5.0  # the cache compares against its own copy, not the caller's tensors
     assert to_device_shared(b, meta, "test") is first
+    bits = torch.tensor([0x3F80, -0x4080], dtype=torch.int16)  # the same bytes as bf16 [1.0, -1.0]
+    half = to_device_shared({"s": bits.view(torch.bfloat16)}, meta, "test")
+    assert to_device_shared({"s": bits.view(torch.bfloat16).clone()}, meta, "test") is half
+    assert to_device_shared({"s": bits}, meta, "test") is not half  # equal bytes, another dtype: never mixed
+
+
+def test_qvg_init_indices_are_kept_across_codec_instances():
+    from mmkv.codecs.qvg import device_init_indices, init_indices
+
+    a, b = build("qvg:bits=2,centroids=8", head_dim=16, layer=3, seed=5), build("qvg:bits=2,centroids=8",
+                                                                                head_dim=16, layer=3, seed=5)
+    first = a._init_indices(0, 4, 40, torch.device("cpu"))
+    assert b._init_indices(0, 4, 40, torch.device("cpu")) is first  # a fresh store's codec: no second draw
+    assert torch.equal(first, init_indices(a.seed, 3, 0, 4, 40, 8))
+    assert not torch.equal(build("qvg:bits=2,centroids=8", head_dim=16, layer=4, seed=5)._init_indices(
+        0, 4, 40, torch.device("cpu")), first)  # another layer draws its own
+    assert device_init_indices.cache_info().currsize >= 2
 
 
 @pytest.mark.parametrize("preset", ["kivi:bits=2,group=16", "oscar:bits=2,group=16", "oscar:bits=2,group=16,role=v",

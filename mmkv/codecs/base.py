@@ -11,7 +11,9 @@ state (rotation signs) and per-token cross-head statistics (OScaR's omni-token n
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
+from collections import OrderedDict
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -26,9 +28,19 @@ from mmkv.codecs.segments import concat_tokens, stack_units, token_layout  # noq
 
 
 # Device copies shared by codec instances whose tables are equal (the same codec, layer and seed in the next store
-# of a sweep): a host-to-device copy from pageable memory is a host sync, and a store is built per rollout.
-_SHARED: dict[tuple, list[tuple[dict, dict]]] = {}
-_SHARED_PER_KEY = 512
+# of a sweep): a host-to-device copy from pageable memory is a host sync, and a store is built per rollout. Keyed by
+# the tables' names, dtypes, shapes and a digest of their bytes, so a lookup hashes the tables once rather than
+# comparing them with every earlier entry of their shape (hundreds a rollout: QVG's k-means inits, one per layer,
+# stage and K / V).
+_SHARED: OrderedDict[tuple, tuple[dict, dict]] = OrderedDict()
+_SHARED_MAX = 4096
+
+
+def _digest(tables: dict[str, torch.Tensor]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for t in tables.values():
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def to_device_shared(tables: dict[str, torch.Tensor], device: torch.device, key: str) -> dict[str, torch.Tensor]:
@@ -37,15 +49,16 @@ def to_device_shared(tables: dict[str, torch.Tensor], device: torch.device, key:
     fresh (comparing them would be a host sync)."""
     if device.type == "cpu" or any(t.device.type != "cpu" for t in tables.values()):
         return {name: t.to(device).contiguous() for name, t in tables.items()}
-    sig = (str(device), key, tuple((name, t.dtype, tuple(t.shape)) for name, t in tables.items()))
-    seen = _SHARED.setdefault(sig, [])
-    for host, dev in seen:
-        if all(torch.equal(host[name], t) for name, t in tables.items()):
-            return dev
+    sig = (str(device), key, tuple((name, t.dtype, tuple(t.shape)) for name, t in tables.items()), _digest(tables))
+    hit = _SHARED.get(sig)
+    if hit is not None and all(torch.equal(hit[0][name], t) for name, t in tables.items()):  # a digest collision
+        _SHARED.move_to_end(sig)                                                             # fails this
+        return hit[1]
     dev = {name: t.to(device).contiguous() for name, t in tables.items()}
-    if len(seen) >= _SHARED_PER_KEY:
-        seen.pop(0)
-    seen.append(({name: t.clone() for name, t in tables.items()}, dev))
+    if hit is None:
+        _SHARED[sig] = ({name: t.clone() for name, t in tables.items()}, dev)
+        if len(_SHARED) > _SHARED_MAX:
+            _SHARED.popitem(last=False)
     return dev
 
 

@@ -63,6 +63,17 @@ def init_indices(seed: int, layer: int, stage: int, problems: int, tokens: int, 
     return torch.randint(0, tokens, (problems, centroids), generator=g, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=4096)
+def device_init_indices(seed: int, layer: int, stage: int, problems: int, tokens: int, centroids: int,
+                        device: str) -> torch.Tensor:
+    """`init_indices` on `device`, kept per argument: the same every encode (the generator is reseeded), and a fresh
+    copy from host memory on each encode would be a blocking transfer (a host sync on CUDA). Kept across codec
+    instances, since a sweep builds its stores (and codecs) afresh per rollout: 480 encodes of the d16 AAR's rollout
+    drew and compared their inits on the host every time before. Read-only (an index)."""
+    host = init_indices(seed, layer, stage, problems, tokens, centroids)
+    return to_device_shared({"i": host}, torch.device(device), "qvg:init")["i"]
+
+
 def sq_norms(x: torch.Tensor) -> torch.Tensor:
     """||x||^2 over the last dim in fp32 (x [..., D] in any float dtype)."""
     xf = x.float()
@@ -327,15 +338,8 @@ class QVGCodec(Codec):
         return self.encode_with(x, assign_reference, self._quantize_reference)
 
     def _init_indices(self, stage: int, problems: int, tokens: int, device: torch.device) -> torch.Tensor:
-        """`init_indices` on `device`, kept per shape: the same every encode (the generator is reseeded), and a
-        fresh copy from host memory on each encode would be a blocking transfer (a host sync on CUDA); stores of
-        a sweep built afresh per rollout share the device copy (`to_device_shared`)."""
-        cache = self.__dict__.setdefault("_init_cache", {})
-        key = (stage, problems, tokens, str(device))
-        if key not in cache:
-            host = init_indices(self.seed, self.layer, stage, problems, tokens, self.centroids)
-            cache[key] = to_device_shared({"i": host}, torch.device(device), "qvg:init")["i"]
-        return cache[key]
+        """`init_indices` on `device` (`device_init_indices`)."""
+        return device_init_indices(self.seed, self.layer, stage, problems, tokens, self.centroids, str(device))
 
     def encode_with(self, x: torch.Tensor, assign: Callable, quantize: Callable,
                     update: Callable = update_centroids) -> Encoded:
