@@ -239,8 +239,8 @@ def pick_config(configs: dict[str, Any], name: str, **overrides: Any) -> Any:
 
 DETERMINISTIC_HELP = (
     "deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN without autotuning, CUBLAS_WORKSPACE_CONFIG "
-    ":4096:8, attention on torch's math path), so that a rerun on the same card and software may repeat the "
-    "weights byte for byte (not yet seen on a GPU: docs/training.md); an op with no deterministic kernel still runs "
+    ":4096:8, attention on torch's math path), so that a rerun on the same card and software repeats the "
+    "weights byte for byte (seen on an H200: docs/training.md, \"Reproducing a run\"); an op with no deterministic kernel still runs "
     "and is named in train.json (`deterministic`); slower")
 # torch's warnings, with warn_only=True, for an op that has no deterministic kernel, and for one whose default
 # kernel is not deterministic ("cuDNN Attention defaults to a non-deterministic algorithm. ...")

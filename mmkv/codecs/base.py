@@ -30,8 +30,7 @@ from mmkv.codecs.segments import concat_tokens, stack_units, token_layout  # noq
 # Device copies shared by codec instances whose tables are equal (the same codec, layer and seed in the next store
 # of a sweep): a host-to-device copy from pageable memory is a host sync, and a store is built per rollout. Keyed by
 # the tables' names, dtypes, shapes and a digest of their bytes, so a lookup hashes the tables once rather than
-# comparing them with every earlier entry of their shape (hundreds a rollout: QVG's k-means inits, one per layer,
-# stage and K / V).
+# comparing them with every earlier entry of their shape (a codec's tables, one set a layer and K / V: hundreds).
 _SHARED: OrderedDict[tuple, tuple[dict, dict]] = OrderedDict()
 _SHARED_MAX = 4096
 

@@ -36,7 +36,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator, to_device_shared
+from mmkv.codecs.base import Codec, CodecError, Encoded, _kernel, private_generator
 from mmkv.codecs.checks import inputs_checked
 from mmkv.codecs.config import CodecConfig
 from mmkv.codecs.groupquant import group_min_max, num_groups
@@ -70,8 +70,7 @@ def device_init_indices(seed: int, layer: int, stage: int, problems: int, tokens
     copy from host memory on each encode would be a blocking transfer (a host sync on CUDA). Kept across codec
     instances, since a sweep builds its stores (and codecs) afresh per rollout: 480 encodes of the d16 AAR's rollout
     drew and compared their inits on the host every time before. Read-only (an index)."""
-    host = init_indices(seed, layer, stage, problems, tokens, centroids)
-    return to_device_shared({"i": host}, torch.device(device), "qvg:init")["i"]
+    return init_indices(seed, layer, stage, problems, tokens, centroids).to(device)
 
 
 def sq_norms(x: torch.Tensor) -> torch.Tensor:
