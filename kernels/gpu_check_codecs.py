@@ -54,7 +54,8 @@ TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vect
                 {"vectors": 8}, {"vectors": 8, "warps": 2}, {"vectors": 4, "warps": 4}, {"vectors": 4, "warps": 8},
                 {"vectors": 16, "warps": 8}, {"prefetch": False}, {"programs": 4096},
                 {"prefetch": False, "programs": 4096}, {"vectors": 2, "programs": 4096},
-                {"fused": False}, {"window": None}]
+                {"fused": False}, {"window": None}, {"layout": "lanes"}, {"layout": "lanes", "vectors": 1},
+                {"layout": "lanes", "vectors": 4}, {"layout": "lanes", "vectors": 8, "warps": 2}]
 
 
 def reference_encode(codec, x):
@@ -140,7 +141,10 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     if preset in ("octopus:b=3", "turboquant-mse:b=4") and not (args.quick or args.no_variants):
         variants += VARIANTS
     elif codec.name == "tcq" and not (args.quick or args.no_variants):  # tiles of at most 8192 path costs
-        variants += [v for v in TCQ_VARIANTS if v.get("vectors", 1) << codec.L <= 8192]
+        from mmkv.kernels.tcq_encode import lanes_fit
+
+        variants += [v for v in TCQ_VARIANTS if v.get("vectors", 1) << codec.L <= 8192
+                     and (v.get("layout") != "lanes" or lanes_fit(codec))]
     if warm_only:
         for v in variants:
             enc = enc_fn(codec, x, **(v or {}))

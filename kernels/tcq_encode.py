@@ -13,7 +13,17 @@ per-program scratch in global memory and are read back by the same program after
 around the first (`mmkv.codecs.tcq.pass_one_window`: 32 of 64 at d = 128) and backtracks to the first step's state;
 pass two is constrained to start and end with its overlap bits, and its backtrack writes the codes. The squared
 distances are computed as the reference does, (u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so
-the path costs, and with them the codes, are the reference's bit for bit wherever both see the same u. """
+the path costs, and with them the codes, are the reference's bit for bit wherever both see the same u.
+
+Where L = 2k and no step is wide (the 2-bit default, L = 8, k = 4), a second search (`layout="lanes"`) lays the costs out so that no step needs shared memory or a barrier: the 2^L costs of a vector, viewed as
+[2^k rows, 2^k columns] (state = row * 2^k + column), go one column to a lane, the column's 2^k rows held by the lane
+as a tuple of registers. A step's predecessors of the new states in row c are exactly column c, so the lane's min
+and argmin over its rows is the step's reduction, with no exchange; the new cost of (row c, column c') is that
+minimum of lane c plus the distance, which lane c' reads with one warp shuffle a row (`tl.gather` within a warp).
+The back-pointers are one byte a lane and step. Compiled for sm_90 a step is about 86 instructions a vector at
+L = 8 against about 100 for the [vectors, 2^L] tile, with no shared-memory traffic or barrier (docs/perf.md). It is
+not the default until an H200 times it against the tile (`DEFAULT_LAYOUT`; the codes are the same either way).
+"""
 
 from __future__ import annotations
 
@@ -30,27 +40,30 @@ from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import rotate
 from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401  (supports: the decoder's range)
 
-# Vectors a launch. Each has its own back-pointer scratch (steps x 2^(L-k) int16: 2 KB at 2 bits, L = 8), and a
-# launch takes as many as SCRATCH_BYTES hold: one Wan head group's 56,160 vectors go in one launch (115 MB of
-# scratch at 2 bits). In launches of 4,096 (14 for that tensor, one after another) its encode took 3.83 ms
+# Vectors a launch. Each has its own back-pointer scratch (steps x 2^(L-k) int16: 2 KB at 2 bits, L = 8; int8 in the
+# lane layout), and a launch takes as many as SCRATCH_BYTES hold: one Wan head group's 56,160 vectors go in one
+# launch (115 MB of scratch at 2 bits with int16). In launches of 4,096 (14 for that tensor, one after another) its encode took 3.83 ms
 # against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch variants).
 SCRATCH_BYTES = 128 << 20
 PROGRAMS: int | None = None  # a fixed count of vectors a launch instead (tests)
 FINISH_TOKENS = 32  # vectors a program of the finishing kernel (a multiple of 8: whole bytes a block)
 
 
-def vectors_a_program(codec) -> int:
-    """The search's default vectors a program: 4 at L <= 8, where one vector's [2^L] path costs leave most of a
-    warp's registers idle (the H200 check of 2026-12-03: 1.34 ms against 1.78 ms an encode of one Wan head group at
-    2 bits, codes equal); 1 above, where 4 vectors a program were 2-3x slower (docs/perf.md, the TCQ launch
-    variants)."""
+def vectors_a_program(codec, layout: str = "tile") -> int:
+    """The search's default vectors a program. The tile: 4 at L <= 8, where one vector's [2^L] path costs leave most
+    of a warp's registers idle (the H200 check of 2026-12-03: 1.34 ms against 1.78 ms an encode of one Wan head group
+    at 2 bits, codes equal); 1 above, where 4 vectors a program were 2-3x slower (docs/perf.md, the TCQ launch
+    variants). The lanes: one lane a thread of a warp (2 vectors at k = 4)."""
+    if layout == "lanes":
+        return max(1, 32 >> codec.k)
     return 4 if codec.L <= 8 else 1
 
 
-def vectors_a_launch(codec) -> int:
+def vectors_a_launch(codec, layout: str = "tile") -> int:
     if PROGRAMS is not None:
         return PROGRAMS
-    return max(1, SCRATCH_BYTES // (codec.steps * ((1 << codec.L) >> codec.k) * 2))
+    per = codec.steps * ((1 << codec.L) >> codec.k) * (1 if layout == "lanes" else 2)
+    return max(1, SCRATCH_BYTES // per)
 
 
 @triton.jit
@@ -168,26 +181,173 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                cbase, 0, STEPS, 0, True, STEPS, K, L)
 
 
+@triton.jit
+def _lane_distances(u0, u1, t0, t1, R: tl.constexpr):
+    """Each row's squared distance [NL] of the lanes' pairs (u0, u1) to their table rows t0[r], t1[r] (no FMA)."""
+    d = ()
+    for r in tl.static_range(R):
+        e0 = u0 - t0[r]
+        e1 = u1 - t1[r]
+        d = d + (e0 * e0 + e1 * e1,)
+    return d
+
+
+@triton.jit
+def _lane_min(cost, R: tl.constexpr):
+    """The least of a lane's rows and its row (the lowest on ties, as torch's `min`)."""
+    best = cost[0]
+    arg = tl.zeros(best.shape, tl.int32)
+    for r in tl.static_range(1, R):
+        take = cost[r] < best
+        best = tl.where(take, cost[r], best)
+        arg = tl.where(take, r, arg)
+    return best, arg
+
+
+@triton.jit
+def _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, hl, ROLL: tl.constexpr, NSTEPS: tl.constexpr,
+                CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, NL: tl.constexpr):
+    """`_trellis_pass` in the lane layout: the rows' costs (a tuple of R [NL] tensors, lane = vector * R + column)
+    after NSTEPS steps, back-pointers (the row of each column's minimum) stored a byte a lane. Each step's input pair
+    is loaded a step ahead. CONSTRAIN: the first state's row (its high k bits) must be the lane's `hl`."""
+    R: tl.constexpr = 1 << K
+    lane = tl.arange(0, NL)
+    src0 = (STEPS - ROLL) % STEPS
+    u0 = tl.load(u_ptr + ulane + 2 * src0, mask=vvalid, other=0.0)
+    u1 = tl.load(u_ptr + ulane + 2 * src0 + 1, mask=vvalid, other=0.0)
+    cost = _lane_distances(u0, u1, t0, t1, R)
+    if CONSTRAIN:
+        first = ()
+        for r in tl.static_range(R):
+            first = first + (tl.where(hl == r, cost[r], float("inf")),)
+        cost = first
+    src1 = (1 + STEPS - ROLL) % STEPS
+    n0 = tl.load(u_ptr + ulane + 2 * src1, mask=vvalid, other=0.0)
+    n1 = tl.load(u_ptr + ulane + 2 * src1 + 1, mask=vvalid, other=0.0)
+    for t in range(1, NSTEPS):
+        dist = _lane_distances(n0, n1, t0, t1, R)
+        nxt = (t + 1 + STEPS - ROLL) % STEPS  # one load past the last step: in range, unused
+        n0 = tl.load(u_ptr + ulane + 2 * nxt, mask=vvalid, other=0.0)
+        n1 = tl.load(u_ptr + ulane + 2 * nxt + 1, mask=vvalid, other=0.0)
+        best, arg = _lane_min(cost, R)  # column c's minimum: the predecessor of every new state in row c
+        tl.store(bp_ptr + blane + t * R, arg.to(tl.int8))
+        step = ()
+        for r in tl.static_range(R):  # row r of the new costs: the minimum of the vector's lane (column) r
+            step = step + (tl.gather(best, (lane // R) * R + r, 0) + dist[r],)
+        cost = step
+    return cost
+
+
+@triton.jit
+def _lanes_argmin(cost, barred, NV: tl.constexpr, R: tl.constexpr):
+    """Each vector's state of least cost [NV] (the lowest state on ties, as torch's `argmin`); `barred` [NL]: lanes
+    (columns) no path may end in."""
+    best, row = _lane_min(cost, R)
+    best = tl.reshape(tl.where(barred, float("inf"), best), (NV, R))
+    state = tl.reshape(row * R + tl.arange(0, NV * R) % R, (NV, R))
+    least = tl.min(best, axis=1)
+    return tl.min(tl.where(best == least[:, None], state, 1 << 30), axis=1)
+
+
+@triton.jit
+def _lanes_backtrack(state, valid, bp_ptr, bbase, codes_ptr, cbase, NSTEPS: tl.constexpr, STOP: tl.constexpr,
+                     WRITE: tl.constexpr, K: tl.constexpr):
+    """`_backtrack` for k-bit steps at L = 2k: the predecessor of state s at step t is (bp[t, s >> k] << k) | (s >> k)."""
+    R: tl.constexpr = 1 << K
+    for i in range(0, NSTEPS - STOP):
+        t = NSTEPS - 1 - i
+        if WRITE:
+            tl.store(codes_ptr + cbase + t, state & (R - 1), mask=valid)
+        if t > STOP:
+            j = tl.load(bp_ptr + bbase + t * R + (state >> K)).to(tl.int32)
+            state = (j << K) | (state >> K)
+    return state
+
+
+@jit
+def _tcq_lanes_kernel(u_ptr, table_ptr, bp_ptr, codes_ptr, first, n, STEPS: tl.constexpr, K: tl.constexpr,
+                      NV: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr):
+    """`_tcq_viterbi_kernel` for L = 2K without wide steps, in the lane layout (module docstring): NV vectors a
+    program, 2^K lanes each; the same two passes, so the same codes."""
+    R: tl.constexpr = 1 << K
+    NL: tl.constexpr = NV * R
+    pid = tl.program_id(0)
+    lane = tl.arange(0, NL)
+    col = lane % R
+    t0 = ()
+    t1 = ()
+    for r in tl.static_range(R):  # the lane's column of the table, row by row
+        t0 = t0 + (tl.load(table_ptr + 2 * (r * R + col)),)
+        t1 = t1 + (tl.load(table_ptr + 2 * (r * R + col) + 1),)
+    lslot = pid * NV + lane // R  # each lane's vector: its back-pointer scratch and its input
+    vvalid = first + lslot < n
+    ulane = (first + lslot).to(tl.int64) * (2 * STEPS)
+    blane = lslot.to(tl.int64) * STEPS * R + col
+    slot = pid * NV + tl.arange(0, NV)
+    vec = first + slot
+    valid = vec < n
+    bbase = slot.to(tl.int64) * STEPS * R
+    cbase = vec.to(tl.int64) * STEPS
+    cost = _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, col, ROLL1, PASS1, False, STEPS, K, NL)
+    end = _lanes_argmin(cost, col < 0, NV, R)
+    tl.debug_barrier()
+    h = _lanes_backtrack(end, valid, bp_ptr, bbase, codes_ptr, cbase, PASS1, ROLL1, False, K) >> K
+    hl = tl.reshape(tl.broadcast_to(h[:, None], (NV, R)), (NL,))
+    tl.debug_barrier()
+    cost = _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, hl, 0, STEPS, True, STEPS, K, NL)
+    end = _lanes_argmin(cost, col != hl, NV, R)  # the last state's low k bits must be h
+    tl.debug_barrier()
+    _lanes_backtrack(end, valid, bp_ptr, bbase, codes_ptr, cbase, STEPS, 0, True, K)
+
+
+def lanes_fit(codec) -> bool:
+    """Whether the lane layout can search this codec: L = 2k, no wide steps, at most 32 rows a lane."""
+    return not codec.hi and codec.L == 2 * codec.k and codec.k <= 5
+
+
+LAYOUTS = ("tile", "lanes")
+# The search's layout by default. The lanes take fewer instructions a step on sm_90 (module docstring), but only the
+# tile has been timed on an H200 so far: kernels/gpu_check_codecs.py times both, and the default follows that.
+DEFAULT_LAYOUT = "tile"
+
+
+def layout_of(codec, layout: str | None) -> str:
+    """The search's layout: `layout`, or `DEFAULT_LAYOUT` where it fits the codec (`lanes_fit`), else "tile"."""
+    if layout is None:
+        return DEFAULT_LAYOUT if DEFAULT_LAYOUT == "tile" or lanes_fit(codec) else "tile"
+    if layout not in LAYOUTS:
+        raise ValueError(f"tcq_encode: layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "lanes" and not lanes_fit(codec):
+        raise ValueError(f"tcq_encode: the lanes layout needs L = 2k <= 10 and no wide steps; {codec.config} has "
+                         f"L = {codec.L}, k = {codec.k}, hi = {codec.hi} (use layout='tile')")
+    return layout
+
+
 def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-            programs: int | None = None, window: int | None = PASS_ONE_WINDOW) -> torch.Tensor:
+            programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None
+            ) -> torch.Tensor:
     """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings (the
-    codes do not depend on them): `warps` a program; `vectors` (a power of two) a program, searched side by side as an
-    [vectors, 2^L] tile (default `vectors_a_program`); `prefetch`: each step's inputs loaded one step ahead (the
+    codes do not depend on them): `layout` ("tile" or "lanes", `layout_of`); `warps` a program; `vectors` (a power of
+    two) a program (default `vectors_a_program`), searched side by side as an [vectors, 2^L] tile or as 2^k lanes
+    each; `prefetch` (the tile; the lanes always load a step ahead): each step's inputs loaded one step ahead (the
     default since the H200 check of 2026-12-03, run L: 1.08 against 1.20 ms an encode at 2 bits with 4 vectors a
     program, 1.92 against 1.97 at 3 bits, codes equal); `programs`: vectors a launch (default `vectors_a_launch`),
-    each with its own back-pointer scratch of steps x 2^(L-k) int16. `window`: pass one's steps either side of the
-    first, as the reference's (None: all)."""
-    return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window).to(
-        torch.int64).view(*u.shape[:-1], codec.steps)
+    each with its own back-pointer scratch of steps x 2^(L-k) int16 (int8 for the lanes). `window`: pass one's steps
+    either side of the first, as the reference's (None: all)."""
+    return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
+                  layout=layout).to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
 def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-           programs: int | None = None, window: int | None = PASS_ONE_WINDOW) -> torch.Tensor:
+           programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None
+           ) -> torch.Tensor:
     """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order."""
-    vectors = vectors_a_program(codec) if vectors is None else vectors
+    layout = layout_of(codec, layout)
+    lanes = layout == "lanes"
+    vectors = vectors_a_program(codec, layout) if vectors is None else vectors
     if vectors < 1 or vectors & (vectors - 1):
         raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
-    per = vectors_a_launch(codec) if programs is None else programs
+    per = vectors_a_launch(codec, layout) if programs is None else programs
     if isinstance(per, bool) or not isinstance(per, int) or per < 1:
         raise ValueError(f"tcq_encode: programs (vectors a launch) must be a positive int, got {programs!r}")
     flat = u.reshape(-1, codec.steps, 2).contiguous()
@@ -199,9 +359,15 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         per_launch = min(n, per)
         roll, length = pass_one_window(codec.steps, window)
         back = torch.empty(triton.cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
-                           dtype=torch.int16, device=u.device)
+                           dtype=torch.int8 if lanes else torch.int16, device=u.device)
         for first in range(0, n, per):  # the back-pointer scratch reused per launch
-            _tcq_viterbi_kernel[(triton.cdiv(min(per, n - first), vectors),)](
+            grid = (triton.cdiv(min(per, n - first), vectors),)
+            if lanes:
+                _tcq_lanes_kernel[grid](flat, tab["table"], back, codes, first, min(n, first + per),
+                                        STEPS=codec.steps, K=codec.k, NV=vectors, ROLL1=roll, PASS1=length,
+                                        num_warps=warps, **LAUNCH)
+                continue
+            _tcq_viterbi_kernel[grid](
                 flat, tab["table"], tab["wide"], back, codes, first, min(n, first + per),
                 STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, PREFETCH=bool(prefetch),
                 ROLL1=roll, PASS1=length, num_warps=warps, **LAUNCH,
@@ -277,17 +443,20 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-           programs: int | None = None, fused: bool = True, window: int | None = PASS_ONE_WINDOW) -> Encoded:
+           programs: int | None = None, fused: bool = True, window: int | None = PASS_ONE_WINDOW,
+           layout: str | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
-    `warps`, `vectors`, `prefetch`, `programs`: launch settings of `viterbi` (the codes do not depend on them);
+    `warps`, `vectors`, `prefetch`, `programs`, `layout`: launch settings of `viterbi` (the codes do not depend on them);
     `window` is pass one's (the codes do: `mmkv.codecs.tcq.viterbi`, whose default the codec's encodings use).
     `fused` (codecs without wide steps): the states, gain and packing after the search in one kernel (`finish`);
     otherwise the reference's torch code, whose gains are the reference's bit for bit."""
     r, u = unit_rotated(codec, x.float())
     if fused and not codec.hi:
-        codes = search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window)
+        codes = search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
+                       layout=layout)
         return Encoded(str(codec.config), tuple(x.shape), x.dtype, finish(codec, codes, r))
-    codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window)
+    codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
+                    layout=layout)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, codec._pack(codes, gain))

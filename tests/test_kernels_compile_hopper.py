@@ -65,6 +65,47 @@ def test_tcq_encoder_variants_compile_for_sm90():
     assert len(sizes) == len(cases) and all(s > 1000 for s in sizes)  # a cubin for each
 
 
+LANES = textwrap.dedent("""
+    import json, os, re, subprocess, sys, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mmkv.kernels import tcq_encode
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    sig = {"u_ptr": "*fp32", "table_ptr": "*fp32", "bp_ptr": "*i8", "codes_ptr": "*i32", "first": "i32", "n": "i32",
+           "STEPS": "constexpr", "K": "constexpr", "NV": "constexpr", "ROLL1": "constexpr", "PASS1": "constexpr"}
+    out = []
+    for consts, warps in json.loads(sys.argv[1]):
+        consts = {**consts, "ROLL1": 16, "PASS1": 32}
+        k = triton.compile(ASTSource(fn=tcq_encode._tcq_lanes_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # ptxas -v: the registers and spill bytes
+            f.write(k.asm["ptx"])
+            f.flush()
+            log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True, check=True).stderr
+        spills = sum(int(b) for b in re.findall(r"(\\d+) bytes spill stores", log))
+        out.append([len(k.asm["cubin"]), spills, k.asm["ptx"].count("shfl.sync"), log.count("bytes spill stores")])
+    print(json.dumps(out))
+""")
+
+
+def test_tcq_lane_search_compiles_for_sm90_without_spills():
+    cases = [  # the 2-bit default (k = 4, L = 8) at its 2 vectors a program and the variants gpu_check_codecs times;
+        ({"STEPS": 64, "K": 4, "NV": 2}, 1),  # k = 3 (L = 6), k = 5 (L = 10)
+        ({"STEPS": 64, "K": 4, "NV": 4}, 1),
+        ({"STEPS": 64, "K": 4, "NV": 8}, 2),
+        ({"STEPS": 64, "K": 3, "NV": 4}, 1),
+        ({"STEPS": 64, "K": 5, "NV": 1}, 1),
+    ]
+    res = compiled(LANES, json.dumps(cases))
+    assert len(res) == len(cases)
+    for (consts, _), (size, spills, shuffles, reports) in zip(cases, res):
+        assert size > 1000 and reports >= 1 and spills == 0, (consts, size, spills)
+        assert shuffles > 0, consts  # the rows' broadcast goes through warp shuffles, not shared memory
+
+
 MINMAX = textwrap.dedent("""
     import json
     import triton

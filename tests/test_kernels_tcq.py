@@ -117,6 +117,54 @@ def test_viterbi_launch_settings_keep_the_codes(preset):
     assert all(set(v) <= accepted for v in gpu_check_codecs.TCQ_VARIANTS)
 
 
+def test_lane_layout_finds_the_reference_codes(monkeypatch):
+    """The lane layout (L = 2k, no wide steps: the 2-bit default) on vectors full of ties (all zeros: every path costs
+    the same; equal pair values; repeated pairs), in launches of 8 with a partial last one, 1, 2 or 4 vectors a program on 1 or 2
+    warps, with pass one windowed (d = 128) or over all steps (d = 16, and `window=None`)."""
+    enc = K["tcq_encode"]
+    for d, t in ((128, 3), (16, 5)):
+        codec, x = _setup("tcq:bits=2,L=8", d, 2, t, torch.float32, seed=6)
+        assert enc.lanes_fit(codec)
+        _, u = codec.unit_rotated(x.float())
+        u = u.reshape(-1, codec.steps, 2).clone()
+        u[0] = 0.0
+        u[1, :, 1] = u[1, :, 0]
+        u[2, 1::2] = u[2, 0::2]  # every pair twice
+        ref = reference_viterbi(u, codec.table, codec.widths, codec.L)
+        settings = ((2, 1, None), (1, 1, 8), (4, 1, 8), (2, 2, 6), (4, 2, None)) if d == 16 else ((2, 1, None), (4, 2, 5))
+        for vectors, warps, programs in settings:
+            got = enc.viterbi(codec, u.reshape(-1, d), warps=warps, vectors=vectors, programs=programs,
+                              layout="lanes")
+            assert torch.equal(got, ref), (d, vectors, warps, programs)
+        assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), layout="tile"), ref)
+        full = reference_viterbi(u, codec.table, codec.widths, codec.L, window=None)
+        assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), window=None, layout="lanes"), full)
+
+
+def test_layout_choice_and_refusals():
+    enc = K["tcq_encode"]
+    wide = build("tcq:bits=2,hi=5,L=8", head_dim=16)
+    three = build("tcq:bits=3", head_dim=16)
+    assert enc.layout_of(wide, None) == "tile" and enc.layout_of(three, None) == "tile"
+    assert enc.layout_of(build("tcq:bits=2", head_dim=16), None) == enc.DEFAULT_LAYOUT
+    u = torch.zeros(2, 16)
+    for codec in (wide, three):
+        with pytest.raises(ValueError, match="lanes layout needs L = 2k"):
+            enc.viterbi(codec, u, layout="lanes")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        enc.viterbi(wide, u, layout="rows")
+
+
+@pytest.mark.parametrize("layout", ["lanes", "tile"])
+def test_encode_in_either_layout_is_the_reference_encoding(layout):
+    codec, x = _setup("tcq:bits=2", 128, 2, 5, torch.bfloat16, seed=7)
+    ref = codec._encode(x.float())
+    ker = K["tcq_encode"].encode(codec, x, layout=layout)
+    assert list(ker.tensors) == list(ref.tensors)
+    for name, a in ref.tensors.items():
+        assert torch.equal(a, ker.tensors[name]), name
+
+
 @pytest.mark.parametrize("warps", [1, 4])  # the default, and the earlier default (a launch variant)
 def test_encode_is_the_reference_encoding(warps):
     codec, x = _setup(*CASES[1])
