@@ -160,8 +160,15 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     if codec.name == "tcq":  # the Viterbi search alone, on the rotated unit vectors (the rest is torch around it)
         from mmkv.kernels import tcq_encode
 
-        _, u = codec.unit_rotated(x.float())
+        r, u = tcq_encode.unit_rotated(codec, x.float())
+        row["unit_rotated_ms"] = bench(lambda: tcq_encode.unit_rotated(codec, x.float()))  # before the search
         row["viterbi_ms"] = bench(lambda: tcq_encode.viterbi(codec, u))
+        if not codec.hi:  # after it: the states, gain and packing (`finish`)
+            codes = tcq_encode.search(codec, u)
+            row["finish_ms"] = bench(lambda: tcq_encode.finish(codec, codes, r))
+            if tcq_encode.lanes_fit(codec):
+                row["search_ms"] = {lay: bench(lambda: tcq_encode.search(codec, u, layout=lay))
+                                    for lay in tcq_encode.LAYOUTS}
         row["viterbi_full_pass_one_ms"] = bench(lambda: tcq_encode.viterbi(codec, u, window=None))  # QTIP's pass one
     row["bytes_in"] = x.numel() * 2
     row["stored_bytes"] = enc.nbytes
@@ -272,6 +279,11 @@ def main(argv=None) -> int:
               f"{r['encode_ms'] / cp:.2f} | {r['decode_ms']:.3f} | {r['decode_GBs']:.0f} | {r['decode_ms'] / cp:.2f} | "
               f"{'-' if ref is None else f'{ref:.1f}'} | {bd:.2g} | {sr:.2g} | {c.get('decode_diff_frac', float('nan')):.2g} | "
               f"{c.get('rel_mse_ref', float('nan')):.5f}/{c.get('rel_mse_kernel_enc', float('nan')):.5f} |")
+        if "viterbi_ms" in r:  # TCQ: where its encode's time goes
+            parts = [f"unit_rotated {r['unit_rotated_ms']:.3f}", f"viterbi {r['viterbi_ms']:.3f}"]
+            parts += [f"search[{k}] {v:.3f}" for k, v in r.get("search_ms", {}).items()]
+            parts += [f"finish {r['finish_ms']:.3f}"] if "finish_ms" in r else []
+            print(f"|  | ↳ ms: {', '.join(parts)} |")
         for name, v in r.get("variants", {}).items():
             same = {True: "codes equal", False: "CODES DIFFER"}.get(v.get("codes_equal"), "")
             print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.4g} | {v['encode_ms'] / cp:.2f} | | | | | "
