@@ -157,19 +157,24 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     enc = enc_fn(codec, x)
     row["encode_ms"] = bench(lambda: enc_fn(codec, x))
     row["decode_ms"] = bench(lambda: dec_fn(codec, enc, torch.bfloat16))
-    if codec.name == "tcq":  # the Viterbi search alone, on the rotated unit vectors (the rest is torch around it)
+    if codec.name == "tcq":  # the encode's parts: rotation and norm, the search (forming u, or given it), finish
         from mmkv.kernels import tcq_encode
 
-        r, u = tcq_encode.unit_rotated(codec, x.float())
-        row["unit_rotated_ms"] = bench(lambda: tcq_encode.unit_rotated(codec, x.float()))  # before the search
-        row["viterbi_ms"] = bench(lambda: tcq_encode.viterbi(codec, u))
+        xf = x.float()
+        r, norm = tcq_encode.rotated(codec, xf)
+        u = codec.unit_rotated(xf, r)[1]  # the reference's u: the search given it must find the same codes
+        row["u_in_kernel_codes_equal"] = bool(torch.equal(tcq_encode.search(codec, r, norm=norm),
+                                                          tcq_encode.search(codec, u)))
+        row["rotated_ms"] = bench(lambda: tcq_encode.rotated(codec, x.float()))  # the encode before its search
+        row["viterbi_ms"] = bench(lambda: tcq_encode.search(codec, r, norm=norm))  # u formed in the kernel
+        row["viterbi_on_u_ms"] = bench(lambda: tcq_encode.search(codec, u, norm=None))  # u read from memory
         if not codec.hi:  # after it: the states, gain and packing (`finish`)
-            codes = tcq_encode.search(codec, u)
+            codes = tcq_encode.search(codec, r, norm=norm)
             row["finish_ms"] = bench(lambda: tcq_encode.finish(codec, codes, r))
             if tcq_encode.lanes_fit(codec):
-                row["search_ms"] = {lay: bench(lambda: tcq_encode.search(codec, u, layout=lay))
+                row["search_ms"] = {lay: bench(lambda: tcq_encode.search(codec, r, norm=norm, layout=lay))
                                     for lay in tcq_encode.LAYOUTS}
-        row["viterbi_full_pass_one_ms"] = bench(lambda: tcq_encode.viterbi(codec, u, window=None))  # QTIP's pass one
+        row["viterbi_full_pass_one_ms"] = bench(lambda: tcq_encode.search(codec, r, norm=norm, window=None))  # QTIP's
     row["bytes_in"] = x.numel() * 2
     row["stored_bytes"] = enc.nbytes
     row["encode_GBs"] = row["bytes_in"] / row["encode_ms"] / 1e6
@@ -280,9 +285,11 @@ def main(argv=None) -> int:
               f"{'-' if ref is None else f'{ref:.1f}'} | {bd:.2g} | {sr:.2g} | {c.get('decode_diff_frac', float('nan')):.2g} | "
               f"{c.get('rel_mse_ref', float('nan')):.5f}/{c.get('rel_mse_kernel_enc', float('nan')):.5f} |")
         if "viterbi_ms" in r:  # TCQ: where its encode's time goes
-            parts = [f"unit_rotated {r['unit_rotated_ms']:.3f}", f"viterbi {r['viterbi_ms']:.3f}"]
+            parts = [f"rotated {r['rotated_ms']:.3f}", f"search {r['viterbi_ms']:.3f}",
+                     f"search on u {r['viterbi_on_u_ms']:.3f}"]
             parts += [f"search[{k}] {v:.3f}" for k, v in r.get("search_ms", {}).items()]
             parts += [f"finish {r['finish_ms']:.3f}"] if "finish_ms" in r else []
+            parts += ["u in kernel: " + ("codes equal" if r["u_in_kernel_codes_equal"] else "CODES DIFFER")]
             print(f"|  | ↳ ms: {', '.join(parts)} |")
         for name, v in r.get("variants", {}).items():
             same = {True: "codes equal", False: "CODES DIFFER"}.get(v.get("codes_equal"), "")

@@ -1,6 +1,7 @@
 """TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP's bitshift
-trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel (`unit_rotated`); after the search one
-more kernel (`finish`) rebuilds u_hat from the codes, takes the least-squares gain and packs the codes, where the
+trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel and the norm the reference's torch call
+(`rotated`); the search reads r and ||x|| and forms the unit vector u as the reference rounds it (`_unit_scale`), so
+that u is never written; after the search one more kernel (`finish`) rebuilds u_hat from the codes, takes the least-squares gain and packs the codes, where the
 reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as some twenty torch ops (codecs with wide steps
 still do).
 
@@ -15,17 +16,20 @@ pass two is constrained to start and end with its overlap bits, and its backtrac
 distances are computed as the reference does, (u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so
 the path costs, and with them the codes, are the reference's bit for bit wherever both see the same u.
 
-Where L = 2k and no step is wide (the 2-bit default, L = 8, k = 4), a second search (`layout="lanes"`) lays the costs out so that no step needs shared memory or a barrier: the 2^L costs of a vector, viewed as
-[2^k rows, 2^k columns] (state = row * 2^k + column), go one column to a lane, the column's 2^k rows held by the lane
-as a tuple of registers. A step's predecessors of the new states in row c are exactly column c, so the lane's min
-and argmin over its rows is the step's reduction, with no exchange; the new cost of (row c, column c') is that
-minimum of lane c plus the distance, which lane c' reads with one warp shuffle a row (`tl.gather` within a warp).
-The back-pointers are one byte a lane and step. Compiled for sm_90 a step is about 86 instructions a vector at
-L = 8 against about 100 for the [vectors, 2^L] tile, with no shared-memory traffic or barrier (docs/perf.md). It is
-not the default until an H200 times it against the tile (`DEFAULT_LAYOUT`; the codes are the same either way).
+Where L = 2k and no step is wide (the 2-bit default, L = 8, k = 4), a second search (`layout="lanes"`) lays the
+costs out so that no step needs shared memory or a barrier: the 2^L costs of a vector, viewed as [2^k rows, 2^k
+columns] (state = row * 2^k + column), go one column to a lane, the column's 2^k rows held by the lane as a tuple of
+registers. A step's predecessors of the new states in row c are exactly column c, so the lane's min and argmin over
+its rows is the step's reduction, with no exchange; the new cost of (row c, column c') is that minimum of lane c
+plus the distance, which lane c' reads with one warp shuffle a row (`tl.gather` within a warp). The back-pointers
+are one byte a lane and step. Compiled for sm_90 a step is about 86 instructions a vector at L = 8 against about 100
+for the [vectors, 2^L] tile, with no shared-memory traffic or barrier (docs/perf.md). It is not the default until an
+H200 times it against the tile (`DEFAULT_LAYOUT`; the codes are the same either way).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -42,8 +46,8 @@ from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401  (supports: t
 
 # Vectors a launch. Each has its own back-pointer scratch (steps x 2^(L-k) int16: 2 KB at 2 bits, L = 8; int8 in the
 # lane layout), and a launch takes as many as SCRATCH_BYTES hold: one Wan head group's 56,160 vectors go in one
-# launch (115 MB of scratch at 2 bits with int16). In launches of 4,096 (14 for that tensor, one after another) its encode took 3.83 ms
-# against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch variants).
+# launch (115 MB of scratch at 2 bits with int16). In launches of 4,096 (14 for that tensor, one after another) its
+# encode took 3.83 ms against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch variants).
 SCRATCH_BYTES = 128 << 20
 PROGRAMS: int | None = None  # a fixed count of vectors a launch instead (tests)
 FINISH_TOKENS = 32  # vectors a program of the finishing kernel (a multiple of 8: whole bytes a block)
@@ -75,15 +79,27 @@ def _pair_costs(u0, u1, tab0, tab1):
 
 
 @triton.jit
-def _step_costs(u_ptr, ubase, valid, src, tab0, tab1):
-    """Squared distances [NV, S] of each vector's step `src` to every table row."""
-    u0 = tl.load(u_ptr + ubase + 2 * src, mask=valid, other=0.0)
-    u1 = tl.load(u_ptr + ubase + 2 * src + 1, mask=valid, other=0.0)
+def _step_costs(u_ptr, ubase, valid, src, tab0, tab1, scale):
+    """Squared distances [NV, S] of each vector's step `src` (times `scale`, `_unit_scale`) to every table row."""
+    u0 = tl.load(u_ptr + ubase + 2 * src, mask=valid, other=0.0) * scale
+    u1 = tl.load(u_ptr + ubase + 2 * src + 1, mask=valid, other=0.0) * scale
     return _pair_costs(u0, u1, tab0, tab1)
 
 
 @triton.jit
-def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, ROLL: tl.constexpr,
+def _unit_scale(norm_ptr, vec, valid, c, SCALED: tl.constexpr):
+    """What the search multiplies its inputs by: 1, or with SCALED (its inputs are r = H(s * x)) u's factor as
+    `TCQCodec.unit_rotated` rounds it, sqrt(d) / ||x|| taken as reciprocal(||x||, or 1 where it is not > 0) * c
+    (torch's `scalar / tensor` is `tensor.reciprocal() * scalar`), c = sqrt(d) in fp32: every step a correctly
+    rounded fp32 op, so u = r * scale is the reference's u bit for bit."""
+    if SCALED:
+        n = tl.load(norm_ptr + vec, mask=valid, other=1.0)
+        return tl.math.div_rn(1.0, tl.where(n > 0, n, 1.0)) * c
+    return tl.full(vec.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _trellis_pass(u_ptr, ubase, valid, scale, wide_ptr, bp_ptr, bbase, tab0, tab1, h, ROLL: tl.constexpr,
                   NSTEPS: tl.constexpr, CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr,
                   L: tl.constexpr, WIDE: tl.constexpr, NV: tl.constexpr, PREFETCH: tl.constexpr):
     """The path costs [NV, S] after NSTEPS steps (step t taken from (t - ROLL) mod STEPS), back-pointers stored.
@@ -93,24 +109,24 @@ def _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, R
     M: tl.constexpr = S >> K
     offs = tl.arange(0, S)
     src0 = (STEPS - ROLL) % STEPS
-    cost = _step_costs(u_ptr, ubase, valid, src0, tab0, tab1)
+    cost = _step_costs(u_ptr, ubase, valid, src0, tab0, tab1, scale)
     if CONSTRAIN:
         k0 = K + tl.load(wide_ptr + src0)
         cost = tl.where((offs[None, :] >> k0) == h[:, None], cost, float("inf"))
     cols = tl.arange(0, M)
     if PREFETCH:
         src1 = (1 + STEPS - ROLL) % STEPS
-        n0 = tl.load(u_ptr + ubase + 2 * src1, mask=valid, other=0.0)
-        n1 = tl.load(u_ptr + ubase + 2 * src1 + 1, mask=valid, other=0.0)
+        n0 = tl.load(u_ptr + ubase + 2 * src1, mask=valid, other=0.0) * scale
+        n1 = tl.load(u_ptr + ubase + 2 * src1 + 1, mask=valid, other=0.0) * scale
     for t in range(1, NSTEPS):
         src = (t + STEPS - ROLL) % STEPS
         if PREFETCH:  # this step's pair came a step ahead; the next step's load goes out now
             dist = _pair_costs(n0, n1, tab0, tab1)
             nxt = (t + 1 + STEPS - ROLL) % STEPS  # one load past the last step: in range, unused
-            n0 = tl.load(u_ptr + ubase + 2 * nxt, mask=valid, other=0.0)
-            n1 = tl.load(u_ptr + ubase + 2 * nxt + 1, mask=valid, other=0.0)
+            n0 = tl.load(u_ptr + ubase + 2 * nxt, mask=valid, other=0.0) * scale
+            n1 = tl.load(u_ptr + ubase + 2 * nxt + 1, mask=valid, other=0.0) * scale
         else:
-            dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1)
+            dist = _step_costs(u_ptr, ubase, valid, src, tab0, tab1, scale)
         c3 = tl.reshape(cost, (NV, 1 << K, M))
         best = tl.min(c3, axis=1)
         arg = tl.argmin(c3, axis=1, tie_break_left=True)
@@ -146,12 +162,13 @@ def _backtrack(state, valid, wide_ptr, bp_ptr, bbase, codes_ptr, cbase, ROLL: tl
 
 
 @jit
-def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
+def _tcq_viterbi_kernel(u_ptr, norm_ptr, c, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
                         STEPS: tl.constexpr, K: tl.constexpr, L: tl.constexpr, WIDE: tl.constexpr,
-                        NV: tl.constexpr, PREFETCH: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr):
+                        NV: tl.constexpr, PREFETCH: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr,
+                        SCALED: tl.constexpr):
     """Tail-biting Viterbi (`mmkv.codecs.tcq.viterbi`) for NV vectors a program: pass one over PASS1 steps with the
     first step at position ROLL1 (`pass_one_window`), its state there gives h; pass two over all STEPS, from and to
-    h."""
+    h. SCALED: u_ptr holds r and norm_ptr ||x|| (`_unit_scale`)."""
     S: tl.constexpr = 1 << L
     M: tl.constexpr = S >> K
     pid = tl.program_id(0)
@@ -166,15 +183,16 @@ def _tcq_viterbi_kernel(u_ptr, table_ptr, wide_ptr, bp_ptr, codes_ptr, first, n,
     low = (1 << (L - k0)) - 1
     ubase = vec.to(tl.int64) * (2 * STEPS)
     cbase = vec.to(tl.int64) * STEPS
-    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, ROLL1, PASS1, False, STEPS, K, L,
-                         WIDE, NV, PREFETCH)
+    scale = _unit_scale(norm_ptr, vec, valid, c, SCALED)
+    cost = _trellis_pass(u_ptr, ubase, valid, scale, wide_ptr, bp_ptr, bbase, tab0, tab1, 0, ROLL1, PASS1, False,
+                         STEPS, K, L, WIDE, NV, PREFETCH)
     tl.debug_barrier()
     state = _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase,
                        codes_ptr, cbase, ROLL1, PASS1, ROLL1, False, STEPS, K, L)
     h = state >> k0
     tl.debug_barrier()
-    cost = _trellis_pass(u_ptr, ubase, valid, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, STEPS, True, STEPS, K, L,
-                         WIDE, NV, PREFETCH)
+    cost = _trellis_pass(u_ptr, ubase, valid, scale, wide_ptr, bp_ptr, bbase, tab0, tab1, h, 0, STEPS, True,
+                         STEPS, K, L, WIDE, NV, PREFETCH)
     cost = tl.where((offs[None, :] & low) == h[:, None], cost, float("inf"))
     tl.debug_barrier()
     _backtrack(tl.argmin(cost, axis=1, tie_break_left=True).to(tl.int32), valid, wide_ptr, bp_ptr, bbase, codes_ptr,
@@ -205,7 +223,7 @@ def _lane_min(cost, R: tl.constexpr):
 
 
 @triton.jit
-def _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, hl, ROLL: tl.constexpr, NSTEPS: tl.constexpr,
+def _lanes_pass(u_ptr, ulane, vvalid, scale, bp_ptr, blane, t0, t1, hl, ROLL: tl.constexpr, NSTEPS: tl.constexpr,
                 CONSTRAIN: tl.constexpr, STEPS: tl.constexpr, K: tl.constexpr, NL: tl.constexpr):
     """`_trellis_pass` in the lane layout: the rows' costs (a tuple of R [NL] tensors, lane = vector * R + column)
     after NSTEPS steps, back-pointers (the row of each column's minimum) stored a byte a lane. Each step's input pair
@@ -213,8 +231,8 @@ def _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, hl, ROLL: tl.conste
     R: tl.constexpr = 1 << K
     lane = tl.arange(0, NL)
     src0 = (STEPS - ROLL) % STEPS
-    u0 = tl.load(u_ptr + ulane + 2 * src0, mask=vvalid, other=0.0)
-    u1 = tl.load(u_ptr + ulane + 2 * src0 + 1, mask=vvalid, other=0.0)
+    u0 = tl.load(u_ptr + ulane + 2 * src0, mask=vvalid, other=0.0) * scale
+    u1 = tl.load(u_ptr + ulane + 2 * src0 + 1, mask=vvalid, other=0.0) * scale
     cost = _lane_distances(u0, u1, t0, t1, R)
     if CONSTRAIN:
         first = ()
@@ -222,13 +240,13 @@ def _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, hl, ROLL: tl.conste
             first = first + (tl.where(hl == r, cost[r], float("inf")),)
         cost = first
     src1 = (1 + STEPS - ROLL) % STEPS
-    n0 = tl.load(u_ptr + ulane + 2 * src1, mask=vvalid, other=0.0)
-    n1 = tl.load(u_ptr + ulane + 2 * src1 + 1, mask=vvalid, other=0.0)
+    n0 = tl.load(u_ptr + ulane + 2 * src1, mask=vvalid, other=0.0) * scale
+    n1 = tl.load(u_ptr + ulane + 2 * src1 + 1, mask=vvalid, other=0.0) * scale
     for t in range(1, NSTEPS):
         dist = _lane_distances(n0, n1, t0, t1, R)
         nxt = (t + 1 + STEPS - ROLL) % STEPS  # one load past the last step: in range, unused
-        n0 = tl.load(u_ptr + ulane + 2 * nxt, mask=vvalid, other=0.0)
-        n1 = tl.load(u_ptr + ulane + 2 * nxt + 1, mask=vvalid, other=0.0)
+        n0 = tl.load(u_ptr + ulane + 2 * nxt, mask=vvalid, other=0.0) * scale
+        n1 = tl.load(u_ptr + ulane + 2 * nxt + 1, mask=vvalid, other=0.0) * scale
         best, arg = _lane_min(cost, R)  # column c's minimum: the predecessor of every new state in row c
         tl.store(bp_ptr + blane + t * R, arg.to(tl.int8))
         step = ()
@@ -252,7 +270,8 @@ def _lanes_argmin(cost, barred, NV: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _lanes_backtrack(state, valid, bp_ptr, bbase, codes_ptr, cbase, NSTEPS: tl.constexpr, STOP: tl.constexpr,
                      WRITE: tl.constexpr, K: tl.constexpr):
-    """`_backtrack` for k-bit steps at L = 2k: the predecessor of state s at step t is (bp[t, s >> k] << k) | (s >> k)."""
+    """`_backtrack` for k-bit steps at L = 2k: the predecessor of state s at step t is
+    (bp[t, s >> k] << k) | (s >> k)."""
     R: tl.constexpr = 1 << K
     for i in range(0, NSTEPS - STOP):
         t = NSTEPS - 1 - i
@@ -265,8 +284,9 @@ def _lanes_backtrack(state, valid, bp_ptr, bbase, codes_ptr, cbase, NSTEPS: tl.c
 
 
 @jit
-def _tcq_lanes_kernel(u_ptr, table_ptr, bp_ptr, codes_ptr, first, n, STEPS: tl.constexpr, K: tl.constexpr,
-                      NV: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr):
+def _tcq_lanes_kernel(u_ptr, norm_ptr, c, table_ptr, bp_ptr, codes_ptr, first, n, STEPS: tl.constexpr,
+                      K: tl.constexpr, NV: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr,
+                      SCALED: tl.constexpr):
     """`_tcq_viterbi_kernel` for L = 2K without wide steps, in the lane layout (module docstring): NV vectors a
     program, 2^K lanes each; the same two passes, so the same codes."""
     R: tl.constexpr = 1 << K
@@ -282,19 +302,20 @@ def _tcq_lanes_kernel(u_ptr, table_ptr, bp_ptr, codes_ptr, first, n, STEPS: tl.c
     lslot = pid * NV + lane // R  # each lane's vector: its back-pointer scratch and its input
     vvalid = first + lslot < n
     ulane = (first + lslot).to(tl.int64) * (2 * STEPS)
+    scale = _unit_scale(norm_ptr, first + lslot, vvalid, c, SCALED)
     blane = lslot.to(tl.int64) * STEPS * R + col
     slot = pid * NV + tl.arange(0, NV)
     vec = first + slot
     valid = vec < n
     bbase = slot.to(tl.int64) * STEPS * R
     cbase = vec.to(tl.int64) * STEPS
-    cost = _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, col, ROLL1, PASS1, False, STEPS, K, NL)
+    cost = _lanes_pass(u_ptr, ulane, vvalid, scale, bp_ptr, blane, t0, t1, col, ROLL1, PASS1, False, STEPS, K, NL)
     end = _lanes_argmin(cost, col < 0, NV, R)
     tl.debug_barrier()
     h = _lanes_backtrack(end, valid, bp_ptr, bbase, codes_ptr, cbase, PASS1, ROLL1, False, K) >> K
     hl = tl.reshape(tl.broadcast_to(h[:, None], (NV, R)), (NL,))
     tl.debug_barrier()
-    cost = _lanes_pass(u_ptr, ulane, vvalid, bp_ptr, blane, t0, t1, hl, 0, STEPS, True, STEPS, K, NL)
+    cost = _lanes_pass(u_ptr, ulane, vvalid, scale, bp_ptr, blane, t0, t1, hl, 0, STEPS, True, STEPS, K, NL)
     end = _lanes_argmin(cost, col != hl, NV, R)  # the last state's low k bits must be h
     tl.debug_barrier()
     _lanes_backtrack(end, valid, bp_ptr, bbase, codes_ptr, cbase, STEPS, 0, True, K)
@@ -324,8 +345,8 @@ def layout_of(codec, layout: str | None) -> str:
 
 
 def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-            programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None
-            ) -> torch.Tensor:
+            programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None,
+            norm: torch.Tensor | None = None) -> torch.Tensor:
     """`mmkv.codecs.tcq.viterbi` on the kernel: u [..., T, D] fp32 -> codes [..., T, steps] int64. Launch settings (the
     codes do not depend on them): `layout` ("tile" or "lanes", `layout_of`); `warps` a program; `vectors` (a power of
     two) a program (default `vectors_a_program`), searched side by side as an [vectors, 2^L] tile or as 2^k lanes
@@ -333,15 +354,17 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = Non
     default since the H200 check of 2026-12-03, run L: 1.08 against 1.20 ms an encode at 2 bits with 4 vectors a
     program, 1.92 against 1.97 at 3 bits, codes equal); `programs`: vectors a launch (default `vectors_a_launch`),
     each with its own back-pointer scratch of steps x 2^(L-k) int16 (int8 for the lanes). `window`: pass one's steps
-    either side of the first, as the reference's (None: all)."""
+    either side of the first, as the reference's (None: all). `norm` [..., T, 1]: u is r = H(s * x) and norm the
+    reference's ||x||, from which the kernel forms u as `TCQCodec.unit_rotated` does (`_unit_scale`)."""
     return search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
-                  layout=layout).to(torch.int64).view(*u.shape[:-1], codec.steps)
+                  layout=layout, norm=norm).to(torch.int64).view(*u.shape[:-1], codec.steps)
 
 
 def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-           programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None
-           ) -> torch.Tensor:
-    """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order."""
+           programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None,
+           norm: torch.Tensor | None = None) -> torch.Tensor:
+    """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order (every step of
+    every vector written by the last backtrack)."""
     layout = layout_of(codec, layout)
     lanes = layout == "lanes"
     vectors = vectors_a_program(codec, layout) if vectors is None else vectors
@@ -352,7 +375,11 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         raise ValueError(f"tcq_encode: programs (vectors a launch) must be a positive int, got {programs!r}")
     flat = u.reshape(-1, codec.steps, 2).contiguous()
     n = flat.shape[0]
-    codes = torch.zeros(n, codec.steps, dtype=torch.int32, device=u.device)
+    if norm is not None and norm.numel() != n:
+        raise ValueError(f"tcq_encode: norm must hold one norm a vector ({n} here), got shape {tuple(norm.shape)}")
+    norms = flat if norm is None else norm.reshape(n).to(torch.float32).contiguous()
+    unit = math.sqrt(codec.head_dim)  # rounded to fp32 by the launch, as torch's `scalar / tensor` rounds it
+    codes = torch.empty(n, codec.steps, dtype=torch.int32, device=u.device)
     if n:
         tab = device_tables(codec, u.device, "tcq-encode", lambda: {
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
@@ -363,23 +390,30 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         for first in range(0, n, per):  # the back-pointer scratch reused per launch
             grid = (triton.cdiv(min(per, n - first), vectors),)
             if lanes:
-                _tcq_lanes_kernel[grid](flat, tab["table"], back, codes, first, min(n, first + per),
+                _tcq_lanes_kernel[grid](flat, norms, unit, tab["table"], back, codes, first, min(n, first + per),
                                         STEPS=codec.steps, K=codec.k, NV=vectors, ROLL1=roll, PASS1=length,
-                                        num_warps=warps, **LAUNCH)
+                                        SCALED=norm is not None, num_warps=warps, **LAUNCH)
                 continue
             _tcq_viterbi_kernel[grid](
-                flat, tab["table"], tab["wide"], back, codes, first, min(n, first + per),
+                flat, norms, unit, tab["table"], tab["wide"], back, codes, first, min(n, first + per),
                 STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, PREFETCH=bool(prefetch),
-                ROLL1=roll, PASS1=length, num_warps=warps, **LAUNCH,
+                ROLL1=roll, PASS1=length, SCALED=norm is not None, num_warps=warps, **LAUNCH,
             )
     return codes
 
 
-def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`codec.unit_rotated(x)` with the rotation H(s * x) in one launch (`mmkv.kernels.rotation.rotate`, the same
-    butterfly, so bit-identical), where the torch butterfly takes three ops a stage."""
+def rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, ||x||) of `TCQCodec.unit_rotated(x)` (x fp32): the rotation H(s * x) in one launch
+    (`mmkv.kernels.rotation.rotate`, the same butterfly, so bit-identical; the torch butterfly takes three ops a
+    stage) and the norm by the reference's own torch call; the search forms u from them (`_unit_scale`)."""
     signs = device_tables(codec, x.device, "tcq-signs", lambda: {"signs": codec.rotation.signs})["signs"]
-    return codec.unit_rotated(x, rotate(x, signs))
+    return rotate(x, signs), x.norm(dim=-1, keepdim=True)
+
+
+def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`codec.unit_rotated(x)` with the rotation on the kernel (`rotated`)."""
+    r, _ = rotated(codec, x)
+    return codec.unit_rotated(x, r)
 
 
 @jit
@@ -428,7 +462,7 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
     fp16 = codec.norm_bits == 16
     gain = torch.empty(*lead, T, dtype=torch.float16 if fp16 else torch.float32, device=dev)
     bt = FINISH_TOKENS
-    bad = torch.zeros(rows * triton.cdiv(T, bt) if fp16 else 1, dtype=torch.int8, device=dev)
+    bad = torch.empty(rows * triton.cdiv(T, bt) if fp16 else 1, dtype=torch.int8, device=dev)  # a flag a program
     if rows and T:
         tab = tables(codec, dev)  # the decode kernel's: table, lookback src and shift
         _tcq_finish_kernel[(triton.cdiv(T, bt), rows)](
@@ -446,17 +480,18 @@ def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None
            programs: int | None = None, fused: bool = True, window: int | None = PASS_ONE_WINDOW,
            layout: str | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
-    `warps`, `vectors`, `prefetch`, `programs`, `layout`: launch settings of `viterbi` (the codes do not depend on them);
-    `window` is pass one's (the codes do: `mmkv.codecs.tcq.viterbi`, whose default the codec's encodings use).
+    `warps`, `vectors`, `prefetch`, `programs`, `layout`: launch settings of `viterbi` (the codes do not depend on
+    them); `window` is pass one's (the codes do: `mmkv.codecs.tcq.viterbi`, whose default the codec's encodings use).
     `fused` (codecs without wide steps): the states, gain and packing after the search in one kernel (`finish`);
-    otherwise the reference's torch code, whose gains are the reference's bit for bit."""
-    r, u = unit_rotated(codec, x.float())
+    otherwise the reference's torch code, whose gains are the reference's bit for bit. The search reads r and ||x||
+    and forms u itself (`_unit_scale`: the reference's u bit for bit, without its four torch ops and tensor)."""
+    r, norm = rotated(codec, x.float())
     if fused and not codec.hi:
-        codes = search(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
-                       layout=layout)
+        codes = search(codec, r, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
+                       layout=layout, norm=norm)
         return Encoded(str(codec.config), tuple(x.shape), x.dtype, finish(codec, codes, r))
-    codes = viterbi(codec, u, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
-                    layout=layout)
+    codes = viterbi(codec, r, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
+                    layout=layout, norm=norm)
     u_hat = codec.unit_from_codes(codes)
     gain = (r * u_hat).sum(-1) / (u_hat * u_hat).sum(-1)
     return Encoded(str(codec.config), tuple(x.shape), x.dtype, codec._pack(codes, gain))

@@ -25,12 +25,15 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from mmkv.kernels import tcq_encode
 
-    sig = {"u_ptr": "*fp32", "table_ptr": "*fp32", "wide_ptr": "*i32", "bp_ptr": "*i16", "codes_ptr": "*i32",
-           "first": "i32", "n": "i32", "STEPS": "constexpr", "K": "constexpr", "L": "constexpr", "WIDE": "constexpr",
-           "NV": "constexpr", "PREFETCH": "constexpr", "ROLL1": "constexpr", "PASS1": "constexpr"}
+    sig = {"u_ptr": "*fp32", "norm_ptr": "*fp32", "c": "fp32", "table_ptr": "*fp32", "wide_ptr": "*i32",
+           "bp_ptr": "*i16", "codes_ptr": "*i32", "first": "i32", "n": "i32", "STEPS": "constexpr", "K": "constexpr",
+           "L": "constexpr", "WIDE": "constexpr", "NV": "constexpr", "PREFETCH": "constexpr", "ROLL1": "constexpr",
+           "PASS1": "constexpr", "SCALED": "constexpr"}
     out = []
     for consts, warps in json.loads(sys.argv[1]):
-        consts = {**consts, "ROLL1": 16, "PASS1": 32}  # pass one's window at 64 steps (mmkv.codecs.tcq.pass_one_window)
+        # pass one's window at 64 steps (mmkv.codecs.tcq.pass_one_window); u formed from r and ||x|| as the encoder
+        # asks, or read (`viterbi` given u)
+        consts = {"SCALED": True, **consts, "ROLL1": 16, "PASS1": 32}
         src = ASTSource(fn=tcq_encode._tcq_viterbi_kernel, signature=sig, constexprs=consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         out.append(len(k.asm["cubin"]))
@@ -53,7 +56,7 @@ def compiled(script: str, *args: str, cache=None):
 def test_tcq_encoder_variants_compile_for_sm90():
     cases = [  # the default L of 2 and 4 bits, a width with wide steps; 1 or 4 vectors a program; prefetch or not
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 4, "PREFETCH": False}, 1),  # the 2-bit default
-        ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
+        ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 1, "PREFETCH": True, "SCALED": False}, 1),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": False, "NV": 4, "PREFETCH": False}, 4),
         ({"STEPS": 64, "K": 8, "L": 11, "WIDE": False, "NV": 1, "PREFETCH": True}, 1),
         ({"STEPS": 64, "K": 4, "L": 8, "WIDE": True, "NV": 1, "PREFETCH": True}, 2),
@@ -73,11 +76,12 @@ LANES = textwrap.dedent("""
     from mmkv.kernels import tcq_encode
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    sig = {"u_ptr": "*fp32", "table_ptr": "*fp32", "bp_ptr": "*i8", "codes_ptr": "*i32", "first": "i32", "n": "i32",
-           "STEPS": "constexpr", "K": "constexpr", "NV": "constexpr", "ROLL1": "constexpr", "PASS1": "constexpr"}
+    sig = {"u_ptr": "*fp32", "norm_ptr": "*fp32", "c": "fp32", "table_ptr": "*fp32", "bp_ptr": "*i8",
+           "codes_ptr": "*i32", "first": "i32", "n": "i32", "STEPS": "constexpr", "K": "constexpr", "NV": "constexpr",
+           "ROLL1": "constexpr", "PASS1": "constexpr", "SCALED": "constexpr"}
     out = []
     for consts, warps in json.loads(sys.argv[1]):
-        consts = {**consts, "ROLL1": 16, "PASS1": 32}
+        consts = {"SCALED": True, **consts, "ROLL1": 16, "PASS1": 32}
         k = triton.compile(ASTSource(fn=tcq_encode._tcq_lanes_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # ptxas -v: the registers and spill bytes
@@ -98,6 +102,7 @@ def test_tcq_lane_search_compiles_for_sm90_without_spills():
         ({"STEPS": 64, "K": 4, "NV": 8}, 2),
         ({"STEPS": 64, "K": 3, "NV": 4}, 1),
         ({"STEPS": 64, "K": 5, "NV": 1}, 1),
+        ({"STEPS": 64, "K": 4, "NV": 2, "SCALED": False}, 1),
     ]
     res = compiled(LANES, json.dumps(cases))
     assert len(res) == len(cases)

@@ -117,10 +117,10 @@ def test_viterbi_launch_settings_keep_the_codes(preset):
     assert all(set(v) <= accepted for v in gpu_check_codecs.TCQ_VARIANTS)
 
 
-def test_lane_layout_finds_the_reference_codes(monkeypatch):
+def test_lane_layout_finds_the_reference_codes():
     """The lane layout (L = 2k, no wide steps: the 2-bit default) on vectors full of ties (all zeros: every path costs
-    the same; equal pair values; repeated pairs), in launches of 8 with a partial last one, 1, 2 or 4 vectors a program on 1 or 2
-    warps, with pass one windowed (d = 128) or over all steps (d = 16, and `window=None`)."""
+    the same; equal pair values; repeated pairs), in launches of 8 with a partial last one, 1, 2 or 4 vectors a
+    program on 1 or 2 warps, with pass one windowed (d = 128) or over all steps (d = 16, and `window=None`)."""
     enc = K["tcq_encode"]
     for d, t in ((128, 3), (16, 5)):
         codec, x = _setup("tcq:bits=2,L=8", d, 2, t, torch.float32, seed=6)
@@ -131,7 +131,8 @@ def test_lane_layout_finds_the_reference_codes(monkeypatch):
         u[1, :, 1] = u[1, :, 0]
         u[2, 1::2] = u[2, 0::2]  # every pair twice
         ref = reference_viterbi(u, codec.table, codec.widths, codec.L)
-        settings = ((2, 1, None), (1, 1, 8), (4, 1, 8), (2, 2, 6), (4, 2, None)) if d == 16 else ((2, 1, None), (4, 2, 5))
+        settings = (((2, 1, None), (1, 1, 8), (4, 1, 8), (2, 2, 6), (4, 2, None)) if d == 16
+                    else ((2, 1, None), (4, 2, 5)))
         for vectors, warps, programs in settings:
             got = enc.viterbi(codec, u.reshape(-1, d), warps=warps, vectors=vectors, programs=programs,
                               layout="lanes")
@@ -139,6 +140,30 @@ def test_lane_layout_finds_the_reference_codes(monkeypatch):
         assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), layout="tile"), ref)
         full = reference_viterbi(u, codec.table, codec.widths, codec.L, window=None)
         assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), window=None, layout="lanes"), full)
+
+
+@pytest.mark.parametrize("preset,layout", [("tcq:bits=2,L=8", "lanes"), ("tcq:bits=2,L=8", "tile"),
+                                           ("tcq:bits=2,hi=3,L=8", "tile")])
+def test_search_forms_the_reference_unit_vectors(preset, layout):
+    """Given r and ||x||, as the encoder passes them, the search's u = r * (reciprocal(||x||) * sqrt(d)) is the
+    reference's u bit for bit (torch's `scalar / tensor` is `reciprocal() * scalar`): the reference's codes, for
+    norms from 1e-15 to 1e15 and an all-zero vector (its norm 0 is replaced by 1, as the reference does)."""
+    import math
+
+    codec = build(preset, head_dim=16, num_heads=1, layer=1, seed=5)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(11)) * torch.logspace(-15, 15, 12)[:, None]
+    x[3] = 0.0
+    r, u = codec.unit_rotated(x)
+    enc = K["tcq_encode"]
+    kr, norm = enc.rotated(codec, x)
+    assert torch.equal(kr, r)
+    scale = torch.where(norm > 0, norm, 1.0).reciprocal() * torch.tensor(math.sqrt(16), dtype=torch.float32)
+    assert torch.equal(r * scale, u)  # the order of roundings the kernel follows (`_unit_scale`)
+    ref = reference_viterbi(u.reshape(-1, codec.steps, 2), codec.table, codec.widths, codec.L)
+    assert torch.equal(enc.viterbi(codec, kr, norm=norm, layout=layout).reshape(-1, codec.steps), ref)
+    assert not torch.equal(enc.viterbi(codec, kr, layout=layout).reshape(-1, codec.steps), ref)  # r is not u
+    with pytest.raises(ValueError, match="one norm a vector"):
+        enc.viterbi(codec, kr, norm=norm[:5])
 
 
 def test_layout_choice_and_refusals():
