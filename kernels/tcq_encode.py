@@ -1,9 +1,9 @@
 """TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP's bitshift
 trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel and the norm the reference's torch call
 (`rotated`); the search reads r and ||x|| and forms the unit vector u as the reference rounds it (`_unit_scale`), so
-that u is never written; after the search one more kernel (`finish`) rebuilds u_hat from the codes, takes the least-squares gain and packs the codes, where the
-reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as some twenty torch ops (codecs with wide steps
-still do).
+that u is never written; after the search one more kernel (`finish`) rebuilds u_hat from the codes, takes the
+least-squares gain and packs the codes, where the reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as
+some twenty torch ops (codecs with wide steps still do).
 
 One program walks `vectors` vectors (`vectors_a_program`: 4 at L <= 8, else 1) with their 2^L path costs each on chip,
 as a [vectors, 2^L] tile (launches of at most `vectors_a_launch` vectors reuse one back-pointer scratch). A step of
@@ -22,7 +22,7 @@ columns] (state = row * 2^k + column), go one column to a lane, the column's 2^k
 registers. A step's predecessors of the new states in row c are exactly column c, so the lane's min and argmin over
 its rows is the step's reduction, with no exchange; the new cost of (row c, column c') is that minimum of lane c
 plus the distance, which lane c' reads with one warp shuffle a row (`tl.gather` within a warp). The back-pointers
-are one byte a lane and step. Compiled for sm_90 a step is about 86 instructions a vector at L = 8 against about 100
+are one byte a lane and step. Compiled for sm_90 a step is about 86 instructions a vector at L = 8 against about 103
 for the [vectors, 2^L] tile, with no shared-memory traffic or barrier (docs/perf.md). It is not the default until an
 H200 times it against the tile (`DEFAULT_LAYOUT`; the codes are the same either way).
 """
@@ -47,7 +47,8 @@ from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401  (supports: t
 # Vectors a launch. Each has its own back-pointer scratch (steps x 2^(L-k) int16: 2 KB at 2 bits, L = 8; int8 in the
 # lane layout), and a launch takes as many as SCRATCH_BYTES hold: one Wan head group's 56,160 vectors go in one
 # launch (115 MB of scratch at 2 bits with int16). In launches of 4,096 (14 for that tensor, one after another) its
-# encode took 3.83 ms against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch variants).
+# encode took 3.83 ms against 3.16 ms in one launch, 10.06 against 9.14 ms at 4 bits (docs/perf.md, the TCQ launch
+# variants).
 SCRATCH_BYTES = 128 << 20
 PROGRAMS: int | None = None  # a fixed count of vectors a launch instead (tests)
 FINISH_TOKENS = 32  # vectors a program of the finishing kernel (a multiple of 8: whole bytes a block)
