@@ -16,15 +16,17 @@ pass two is constrained to start and end with its overlap bits, and its backtrac
 distances are computed as the reference does, (u0 - t0)^2 + (u1 - t1)^2 without fused multiply-adds (`LAUNCH`), so
 the path costs, and with them the codes, are the reference's bit for bit wherever both see the same u.
 
-Where L = 2k and no step is wide (the 2-bit default, L = 8, k = 4), a second search (`layout="lanes"`) lays the
-costs out so that no step needs shared memory or a barrier: the 2^L costs of a vector, viewed as [2^k rows, 2^k
-columns] (state = row * 2^k + column), go one column to a lane, the column's 2^k rows held by the lane as a tuple of
+Where L = 2k and no step is wide (the 2-bit default, L = 8, k = 4), a second search (`layout="lanes"`) lays the costs
+out so that no step needs shared memory or a barrier: the 2^L costs of a vector, viewed as [2^k rows, 2^k columns]
+(state = row * 2^k + column), go one column to a lane, the column's 2^k rows held by the lane as a tuple of
 registers. A step's predecessors of the new states in row c are exactly column c, so the lane's min and argmin over
-its rows is the step's reduction, with no exchange; the new cost of (row c, column c') is that minimum of lane c
-plus the distance, which lane c' reads with one warp shuffle a row (`tl.gather` within a warp). The back-pointers
-are one byte a lane and step. Compiled for sm_90 a step is about 86 instructions a vector at L = 8 against about 103
-for the [vectors, 2^L] tile, with no shared-memory traffic or barrier (docs/perf.md). It is not the default until an
-H200 times it against the tile (`DEFAULT_LAYOUT`; the codes are the same either way).
+its rows is the step's reduction, with no exchange; the new cost of (row c, column c') is that minimum of lane c plus
+the distance, which lane c' reads with one warp shuffle a row (`tl.gather` within a warp). The back-pointers are one
+byte a lane and step; the backtracks load a step's back-pointers lane by lane and pick the state's column with a
+shuffle, so that no load waits on the step before (`_lanes_backtrack`). Compiled for sm_90 a step is about 87
+instructions a vector at L = 8 against about 103 for the [vectors, 2^L] tile, with no shared-memory traffic or
+barrier (docs/perf.md). It is not the default until an H200 times it against the tile (`DEFAULT_LAYOUT`; the codes
+are the same either way).
 """
 
 from __future__ import annotations
@@ -269,17 +271,29 @@ def _lanes_argmin(cost, barred, NV: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _lanes_backtrack(state, valid, bp_ptr, bbase, codes_ptr, cbase, NSTEPS: tl.constexpr, STOP: tl.constexpr,
-                     WRITE: tl.constexpr, K: tl.constexpr):
-    """`_backtrack` for k-bit steps at L = 2k: the predecessor of state s at step t is
-    (bp[t, s >> k] << k) | (s >> k)."""
+def _to_lanes(v, NV: tl.constexpr, R: tl.constexpr):
+    """[NV] -> [NV * R]: each vector's value in every lane of it."""
+    return tl.reshape(tl.broadcast_to(v[:, None], (NV, R)), (NV * R,))
+
+
+@triton.jit
+def _lanes_backtrack(state, vvalid, bp_ptr, blane, codes_ptr, clane, NSTEPS: tl.constexpr, STOP: tl.constexpr,
+                     WRITE: tl.constexpr, K: tl.constexpr, NL: tl.constexpr):
+    """`_backtrack` for k-bit steps at L = 2k, in the lanes: `state` [NL] is each vector's state in every lane of
+    it, and the predecessor of state s at step t is (bp[t, s >> k] << k) | (s >> k). Each lane loads its own
+    column's back-pointer of the step, an address that does not depend on the state, and the state's column is
+    read from its lane with one warp shuffle (`tl.gather`): no global load waits on the step before, where the
+    tile's backtrack chains one dependent load a step."""
     R: tl.constexpr = 1 << K
+    lane = tl.arange(0, NL)
+    first = (lane // R) * R  # the vector's first lane
     for i in range(0, NSTEPS - STOP):
         t = NSTEPS - 1 - i
-        if WRITE:
-            tl.store(codes_ptr + cbase + t, state & (R - 1), mask=valid)
+        if WRITE:  # one lane a vector writes its code
+            tl.store(codes_ptr + clane + t, state & (R - 1), mask=vvalid & (lane == first))
         if t > STOP:
-            j = tl.load(bp_ptr + bbase + t * R + (state >> K)).to(tl.int32)
+            column = tl.load(bp_ptr + blane + t * R).to(tl.int32)
+            j = tl.gather(column, first + (state >> K), 0)
             state = (j << K) | (state >> K)
     return state
 
@@ -300,26 +314,22 @@ def _tcq_lanes_kernel(u_ptr, norm_ptr, c, table_ptr, bp_ptr, codes_ptr, first, n
     for r in tl.static_range(R):  # the lane's column of the table, row by row
         t0 = t0 + (tl.load(table_ptr + 2 * (r * R + col)),)
         t1 = t1 + (tl.load(table_ptr + 2 * (r * R + col) + 1),)
-    lslot = pid * NV + lane // R  # each lane's vector: its back-pointer scratch and its input
+    lslot = pid * NV + lane // R  # each lane's vector: its back-pointer scratch, its input and its codes
     vvalid = first + lslot < n
     ulane = (first + lslot).to(tl.int64) * (2 * STEPS)
     scale = _unit_scale(norm_ptr, first + lslot, vvalid, c, SCALED)
     blane = lslot.to(tl.int64) * STEPS * R + col
-    slot = pid * NV + tl.arange(0, NV)
-    vec = first + slot
-    valid = vec < n
-    bbase = slot.to(tl.int64) * STEPS * R
-    cbase = vec.to(tl.int64) * STEPS
+    clane = (first + lslot).to(tl.int64) * STEPS
     cost = _lanes_pass(u_ptr, ulane, vvalid, scale, bp_ptr, blane, t0, t1, col, ROLL1, PASS1, False, STEPS, K, NL)
     end = _lanes_argmin(cost, col < 0, NV, R)
     tl.debug_barrier()
-    h = _lanes_backtrack(end, valid, bp_ptr, bbase, codes_ptr, cbase, PASS1, ROLL1, False, K) >> K
-    hl = tl.reshape(tl.broadcast_to(h[:, None], (NV, R)), (NL,))
+    hl = _lanes_backtrack(_to_lanes(end, NV, R), vvalid, bp_ptr, blane, codes_ptr, clane, PASS1, ROLL1, False, K,
+                          NL) >> K
     tl.debug_barrier()
     cost = _lanes_pass(u_ptr, ulane, vvalid, scale, bp_ptr, blane, t0, t1, hl, 0, STEPS, True, STEPS, K, NL)
     end = _lanes_argmin(cost, col != hl, NV, R)  # the last state's low k bits must be h
     tl.debug_barrier()
-    _lanes_backtrack(end, valid, bp_ptr, bbase, codes_ptr, cbase, STEPS, 0, True, K)
+    _lanes_backtrack(_to_lanes(end, NV, R), vvalid, bp_ptr, blane, codes_ptr, clane, STEPS, 0, True, K, NL)
 
 
 def lanes_fit(codec) -> bool:
