@@ -421,12 +421,6 @@ def rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rotate(x, signs), x.norm(dim=-1, keepdim=True)
 
 
-def unit_rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`codec.unit_rotated(x)` with the rotation on the kernel (`rotated`)."""
-    r, _ = rotated(codec, x)
-    return codec.unit_rotated(x, r)
-
-
 @jit
 def _tcq_finish_kernel(codes_ptr, r_ptr, table_ptr, src_ptr, shift_ptr, packed_ptr, gain_ptr, bad_ptr,
                        T, row_bytes,
