@@ -25,8 +25,8 @@ the distance, which lane c' reads with one warp shuffle a row (`tl.gather` withi
 byte a lane and step; the backtracks load a step's back-pointers lane by lane and pick the state's column with a
 shuffle, so that no load waits on the step before (`_lanes_backtrack`). Compiled for sm_90 a step is about 87
 instructions a vector at L = 8 against about 103 for the [vectors, 2^L] tile, with no shared-memory traffic or
-barrier (docs/perf.md). It is not the default until an H200 times it against the tile (`DEFAULT_LAYOUT`; the codes
-are the same either way).
+barrier (docs/perf.md). It is the default where it fits (`DEFAULT_LAYOUT`), timed faster than the tile on an H100;
+the codes are the same either way.
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def vectors_a_program(codec, layout: str = "tile") -> int:
     """The search's default vectors a program. The tile: 4 at L <= 8, where one vector's [2^L] path costs leave most
     of a warp's registers idle (the H200 check of 2026-12-03: 1.34 ms against 1.78 ms an encode of one Wan head group
     at 2 bits, codes equal); 1 above, where 4 vectors a program were 2-3x slower (docs/perf.md, the TCQ launch
-    variants). The lanes: one lane a thread of a warp (2 vectors at k = 4)."""
+    variants). The lanes: two lanes a thread of a warp (4 vectors at k = 4; the H100 check of 2026-12-05: 0.874 ms
+    an encode against 0.903 with 2 vectors, one lane a thread, and 1.457 with 1, codes equal)."""
     if layout == "lanes":
-        return max(1, 32 >> codec.k)
+        return max(1, 64 >> codec.k)
     return 4 if codec.L <= 8 else 1
 
 
@@ -338,9 +339,10 @@ def lanes_fit(codec) -> bool:
 
 
 LAYOUTS = ("tile", "lanes")
-# The search's layout by default. The lanes take fewer instructions a step on sm_90 (module docstring), but only the
-# tile has been timed on an H200 so far: kernels/gpu_check_codecs.py times both, and the default follows that.
-DEFAULT_LAYOUT = "tile"
+# The search's layout by default where it fits (`lanes_fit`): the lanes, measured faster than the tile on an H100
+# (2026-12-05, kernels/gpu_check_codecs.py at the video shape, 2 bits: search 0.628 against 0.744 ms, encode 0.874
+# against 0.929 ms, codes equal; docs/perf.md).
+DEFAULT_LAYOUT = "lanes"
 
 
 def layout_of(codec, layout: str | None) -> str:
