@@ -79,6 +79,9 @@ def test_reference_and_codecs_are_scored_in_every_format(tmp_path, scenes, capsy
     assert md["reference"]["PSNR↑ μ"] == "–" and md["reference"]["n"] == "2"
     assert md["PolarQuant"]["adherence↑ μ"] == "80%"  # colour wrong, shape, size, direction and speed right
     assert md["TurboQuant-MSE"]["adherence↑ μ"] == "100%" and md["TurboQuant-MSE"]["consistency↑ μ"] == "33%"  # 2 of 6
+    # Against the reference's checks: PolarQuant's colour check alone differs (4 of 5 named attributes agree).
+    assert md["reference"]["checks=ref↑ μ"] == "–"
+    assert md["PolarQuant"]["checks=ref↑ μ"] == "80%" and md["TurboQuant-MSE"]["checks=ref↑ μ"] == "100%"
 
     table = json.loads((out / "table.json").read_text())
     rows = {r["codec"]: r for r in table["rows"]}
@@ -86,6 +89,8 @@ def test_reference_and_codecs_are_scored_in_every_format(tmp_path, scenes, capsy
     assert rows["PolarQuant"]["causvid/adherence/max"] == pytest.approx(0.8)
     assert rows["PolarQuant"]["causvid/consistency/mean"] == 1.0
     assert rows["TurboQuant-MSE"]["causvid/consistency/mean"] == pytest.approx(2 / 6)
+    assert rows["PolarQuant"]["causvid/attribute_match/mean"] == pytest.approx(0.8)
+    assert rows["reference"]["causvid/attribute_match/mean"] is None
     assert "rank" not in rows["reference"]  # never marked best: it is not a codec
     assert rows["TurboQuant-MSE"]["rank"]["causvid/adherence/mean"] == 1
     assert any("adherence: the share of the caption's named attributes" in n for n in table["notes"])
@@ -108,7 +113,9 @@ def test_reference_and_codecs_are_scored_in_every_format(tmp_path, scenes, capsy
 
     page = (out / "index.html").read_text()
     assert page.count("native cache (reference) · adherence 100% · consistency 100%") == 2
-    assert page.count("adherence 80% · consistency 100%") == 2 and page.count("consistency 33%") == 2
+    assert page.count("adherence 80% · consistency 100% · checks=ref 80%") == 2
+    assert page.count("consistency 33% · checks=ref 100%") == 2
+    assert "(reference) · adherence 100% · consistency 100% · checks" not in page  # nothing against itself
     assert "adherence↑" in page  # the html tables
 
     # Identical runs give identical reports.
@@ -132,3 +139,16 @@ def test_other_prompts_get_no_adherence_and_a_mixed_run_says_which_items_count(t
     assert rows["PolarQuant"]["causvid/adherence/mean"] == pytest.approx(0.8)  # p0002 not counted as 0
     assert ("causvid: adherence and consistency are over the 2 item(s) whose prompt is a procedural caption "
             "(p0000, p0001) only; the other 1 (p0002) name no scene and are not scored.") in table["notes"]
+
+
+def test_attribute_agreement_counts_every_change_of_a_check_against_the_reference():
+    from mmkv.report.adherence import attribute_agreement
+
+    ref = {"named": ["colour", "shape", "direction"], "colour_ok": True, "shape_ok": False, "direction_ok": None,
+           "size_ok": None, "speed_ok": None}
+    same = dict(ref)
+    assert attribute_agreement(ref, same) == 1.0
+    # A wrong shape turned right is a change, as is a check the detector could not make (None) turned into one.
+    changed = {**ref, "shape_ok": True, "direction_ok": False, "size_ok": True}  # size is not named: not counted
+    assert attribute_agreement(ref, changed) == pytest.approx(1 / 3)
+    assert attribute_agreement({**ref, "named": []}, changed) is None

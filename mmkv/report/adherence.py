@@ -4,8 +4,11 @@ lossless output: for video, what `mmkv.metrics.adherence.score_clip` reads from 
 `mmkv.metrics.audio_adherence.score_audio` reads from the waveform of a caption of `mmkv.pipelines.aar.sounds`
 (the clip's caption, which `mmkv compare audio` records from a sidecar `<clip stem>.txt`). A score needs no
 reference, so the reference rollout is scored like every codec's, and it shows how well the model itself follows a
-caption (what the codecs are then held to). Audio rollouts are also held to their reference's onset times: the share
-of its onsets matched within ONSET_TOLERANCE_S, and the mean distance from each to the nearest onset.
+caption (what the codecs are then held to). Video rollouts are also held to their reference's reading of the
+caption (`attribute_match`: the share of the named attributes whose check, held or not, is the reference's, so a
+codec that turns a wrong shape right counts as a change, as one that turns it wrong does); audio rollouts to their
+reference's onset times: the share of its onsets matched within ONSET_TOLERANCE_S, and the mean distance from each to
+the nearest onset.
 
 A rollout whose prompt is not a procedural caption is not scored (and that is no problem); a run mixing both kinds
 is scored over the procedural ones, and the tables say so. Scores take ~30 ms a clip, so they are computed on each
@@ -61,7 +64,8 @@ def _score_video(r: Rollout, named: dict) -> dict:
     adherence = full["adherence"] if full["found"] else 0.0
     return {
         "adherence": adherence, "consistency": full["consistency"], "object_found": bool(full["found"]),
-        **{f"{a}_ok": full[f"{a}_ok"] for a in ATTRIBUTES},
+        **{f"{a}_ok": full[f"{a}_ok"] for a in ATTRIBUTES}, "named": [a for a in ATTRIBUTES if named.get(a) is not None],
+        "attribute_match": None,
         "blocks": [{k: w.get(k) for k in ("label", "first_frame", "end_frame", "match", "background_psnr",
                                           "stripe_agreement")} for w in full["windows"][1:]],
     }
@@ -103,6 +107,15 @@ def onset_agreement(ref: list[float], test: list[float], tol: float = ONSET_TOLE
     return len(used_r) / len(ref), float(d.min(axis=1).mean() * 1000)
 
 
+def attribute_agreement(ref: dict, test: dict) -> float | None:
+    """Share of the caption's named attributes whose check in `test` (held, failed, or unreadable: None) is the one
+    in `ref`, both video scores of the same caption; None when the caption names none."""
+    named = ref["named"]
+    if not named:
+        return None
+    return sum(test[f"{a}_ok"] == ref[f"{a}_ok"] for a in named) / len(named)
+
+
 def score_all(measured: list[Measured], problems: list[str], progress=None) -> Scores:
     """Scores of every rollout the measured pairs use (each reference once) whose prompt is a procedural caption;
     a rollout that cannot be scored becomes a problem line and the rest go on."""
@@ -124,6 +137,10 @@ def score_all(measured: list[Measured], problems: list[str], progress=None) -> S
             problems.append(f"{r.where()}: adherence not scored: {err}")
     for (group, item, variant), sc in scores.by_rollout.items():
         ref = scores.by_rollout.get((group, item, REFERENCE))
-        if "onset_times" in sc and variant != REFERENCE and ref is not None:
+        if variant == REFERENCE or ref is None:
+            continue
+        if "onset_times" in sc:
             sc["onset_match"], sc["onset_error_ms"] = onset_agreement(ref["onset_times"], sc["onset_times"])
+        else:
+            sc["attribute_match"] = attribute_agreement(ref, sc)
     return scores

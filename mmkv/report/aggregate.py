@@ -60,11 +60,14 @@ METRICS = {
     # Of each rollout alone (mmkv.report.adherence), where the prompts are procedural captions; shown in percent.
     "adherence": MetricSpec("adherence", "adherence", "higher", 2, "{:.0%}"),
     "consistency": MetricSpec("consistency", "consistency", "higher", 2, "{:.0%}"),
+    # Video: a codec rollout's attribute checks against its reference's (the reference's own row shows –).
+    "attribute_match": MetricSpec("attribute_match", "checks=ref", "higher", 2, "{:.0%}"),
     # Audio: a codec rollout's onsets against its reference's (the reference's own row shows –).
     "onset_match": MetricSpec("onset_match", "onsets≈", "higher", 2, "{:.0%}"),
     "onset_error_ms": MetricSpec("onset_error_ms", "onset Δms", "lower", 1),
 }
-ADHERENCE_METRICS = {"video": ("adherence", "consistency"), "audio": ("adherence", "onset_match", "onset_error_ms")}
+ADHERENCE_METRICS = {"video": ("adherence", "consistency", "attribute_match"),
+                     "audio": ("adherence", "onset_match", "onset_error_ms")}
 DEFAULT_METRICS = {"video": ("lpips", "psnr", "ssim", "latent_cosine") + ADHERENCE_METRICS["video"],
                    "audio": ("lsd_db", "snr_db", "log_mel_mse", "latent_cosine") + ADHERENCE_METRICS["audio"]}
 # Per block after block 1 of a procedural clip: whether it matches block 1 (share of items), its background's PSNR.

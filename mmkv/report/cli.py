@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="window edges in seconds for the windowed means, e.g. 0,2,5,10 (default; then every 10 s)")
     p.add_argument("--metrics", default=None, metavar="LIST",
                    help="metrics in the main table, e.g. lpips,psnr,lsd_db,snr_db (default: lpips, psnr, ssim, "
-                        "latent_cosine, adherence, consistency for video (the last two where prompts are procedural "
-                        "captions); lsd_db, snr_db, log_mel_mse, latent_cosine, adherence, onset_match, "
+                        "latent_cosine, adherence, consistency, attribute_match for video (the last three where "
+                        "prompts are procedural captions); lsd_db, snr_db, log_mel_mse, latent_cosine, adherence, onset_match, "
                         "onset_error_ms for audio (the last three where clips have procedural captions))")
     p.add_argument("--gallery-items", type=int, default=None, metavar="N", help="show at most N items per model")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -88,7 +88,8 @@ def parse_metrics(text: str | None) -> dict[str, tuple[str, ...]] | None:
     bad = [m for m in names if m not in METRICS]
     if bad or not names:
         raise UsageError(f"--metrics: unknown metric(s) {bad or text!r}; choose from {', '.join(METRICS)}")
-    video = {"lpips", "psnr", "psnr_frame_mean", "ssim", "latent_cosine", "adherence", "consistency"}
+    video = {"lpips", "psnr", "psnr_frame_mean", "ssim", "latent_cosine", "adherence", "consistency",
+             "attribute_match"}
     audio = {"lsd_db", "snr_db", "log_mel_mse", "latent_cosine", "token_agreement", "adherence", "onset_match",
              "onset_error_ms"}
     return {"video": tuple(m for m in names if m in video) or DEFAULT_METRICS["video"],

@@ -27,7 +27,8 @@ from mmkv.report.summary import ADHERENCE_METRICS, LPIPS_NOTE, METRICS, Summary,
 STILL_WIDTH = 320  # px; posters are area-averaged down to at most this width
 CAPTION_METRICS = {"video": ("lpips", "psnr", "ssim"), "audio": ("lsd_db", "snr_db", "log_mel_mse")}
 SPEC_RANGE = (-5.0, 2.0)  # log10 mel range shown (the 1e-5 floor up to loud content)
-ONSET_METRICS = ("onset_match", "onset_error_ms")  # against the reference: nothing to say on the reference itself
+# Against the reference: nothing to say on the reference itself.
+AGAINST_REFERENCE = ("attribute_match", "onset_match", "onset_error_ms")
 
 
 def _url(path: Path, base: Path) -> str:
@@ -119,7 +120,7 @@ def _cell(r: Rollout | None, label: str, metrics: dict | None, kind: str, out: P
     else:
         line = "not measured"
     if score is not None:  # a procedural caption: adherence of this rollout alone, the reference's too
-        keys = [k for k in ADHERENCE_METRICS[kind] if not (r.is_reference and k in ONSET_METRICS)]
+        keys = [k for k in ADHERENCE_METRICS[kind] if not (r.is_reference and k in AGAINST_REFERENCE)]
         line += " · " + " · ".join(f"{METRICS[k].label} {_fmt_metric(k, score.get(k))}" for k in keys)
     cls = "cell reference" if r.is_reference else "cell"
     return (f'<figure class="{cls}" data-variant="{html.escape(r.variant)}">{"".join(parts)}<figcaption>'

@@ -163,7 +163,10 @@ def _adherence_notes(s: Summary, groups: list[Group], per_block: bool) -> list[s
                   "is found); consistency: the share of the blocks after block 1 whose unnamed scene (stripes, second "
                   "object, bar) matches block 1's (– where block 1 shows no striped background). Each rollout is "
                   "scored alone, against its caption, so the reference (native cache) has its own row (never "
-                  "marked): how well the model itself follows the captions."]
+                  "marked): how well the model itself follows the captions. checks=ref: the share of the named "
+                  "attributes whose check (held, failed or unreadable) is the reference rollout's, so a codec that "
+                  "turns a wrong attribute right counts as a change as much as one that turns a right one wrong "
+                  "(– for the reference itself)."]
     if not per_block and any(g.kind == "audio" for g in groups):
         notes += ["Audio adherence: the share of the caption's named attributes (kind; a note's pitch within 50 "
                   "cents, waveform and envelope; a chirp's direction; a burst's band; the number of clicks) that "
