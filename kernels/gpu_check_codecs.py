@@ -55,7 +55,8 @@ TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vect
                 {"vectors": 16, "warps": 8}, {"prefetch": False}, {"programs": 4096},
                 {"prefetch": False, "programs": 4096}, {"vectors": 2, "programs": 4096},
                 {"fused": False}, {"window": None}, {"layout": "lanes"}, {"layout": "lanes", "vectors": 1},
-                {"layout": "lanes", "vectors": 4}, {"layout": "lanes", "vectors": 8, "warps": 2}]
+                {"layout": "lanes", "vectors": 4}, {"layout": "lanes", "vectors": 8, "warps": 2},
+                {"fused": "backtrack"}, {"fused": "backtrack", "vectors": 2}]
 
 
 def reference_encode(codec, x):
@@ -144,7 +145,7 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
         from mmkv.kernels.tcq_encode import lanes_fit
 
         variants += [v for v in TCQ_VARIANTS if v.get("vectors", 1) << codec.L <= 8192
-                     and (v.get("layout") != "lanes" or lanes_fit(codec))]
+                     and ((v.get("layout") != "lanes" and v.get("fused") != "backtrack") or lanes_fit(codec))]
     if warm_only:
         for v in variants:
             enc = enc_fn(codec, x, **(v or {}))

@@ -299,12 +299,53 @@ def _lanes_backtrack(state, vvalid, bp_ptr, blane, codes_ptr, clane, NSTEPS: tl.
     return state
 
 
+@triton.jit
+def _lanes_backtrack_finish(state, vvalid, bp_ptr, blane, r_ptr, ulane, table_ptr, packed_ptr, vidx, gain_ptr,
+                            bad_ptr, STEPS: tl.constexpr, K: tl.constexpr, NL: tl.constexpr, FP16: tl.constexpr):
+    """The last backtrack with `finish`'s work folded in (`search(..., into=...)`): each step's state gives u_hat's
+    pair from the table, the gain's two sums run over the steps, last to first, and the codes are packed as `_pack`
+    packs them, eight codes (k bytes) at a time, one byte a lane: code t at bits [t k, t k + k) of the vector's
+    little-endian bit stream, which starts at byte vidx * STEPS * k / 8 (STEPS a multiple of 8)."""
+    R: tl.constexpr = 1 << K
+    lane = tl.arange(0, NL)
+    first = (lane // R) * R
+    sub = lane - first  # the lane's place in its vector
+    vb = vidx.to(tl.int64) * (STEPS * K // 8)
+    bits = tl.zeros([NL], tl.int64)
+    num = tl.zeros([NL], tl.float32)
+    den = tl.zeros([NL], tl.float32)
+    for i in range(0, STEPS):
+        t = STEPS - 1 - i
+        bits = ((bits << K) | (state & (R - 1)).to(tl.int64)) & ((1 << (8 * K)) - 1)  # codes t .. t + 7, t lowest
+        if t % 8 == 0:
+            tl.store(packed_ptr + vb + (t // 8) * K + sub, ((bits >> (8 * sub)) & 0xFF).to(tl.uint8),
+                     mask=vvalid & (sub < K))
+        u0 = tl.load(table_ptr + 2 * state)
+        u1 = tl.load(table_ptr + 2 * state + 1)
+        r0 = tl.load(r_ptr + ulane + 2 * t, mask=vvalid, other=0.0)
+        r1 = tl.load(r_ptr + ulane + 2 * t + 1, mask=vvalid, other=0.0)
+        num += r0 * u0 + r1 * u1
+        den += u0 * u0 + u1 * u1
+        if t > 0:
+            column = tl.load(bp_ptr + blane + t * R).to(tl.int32)
+            j = tl.gather(column, first + (state >> K), 0)
+            state = (j << K) | (state >> K)
+    gain = tl.math.div_rn(num, den)
+    one = vvalid & (sub == 0)
+    if FP16:
+        tl.store(gain_ptr + vidx, gain.to(tl.float16), mask=one)
+        tl.store(bad_ptr + vidx, tl.where(gain <= 65504.0, 0, 1).to(tl.int8), mask=one)
+    else:
+        tl.store(gain_ptr + vidx, gain, mask=one)
+
+
 @jit
-def _tcq_lanes_kernel(u_ptr, norm_ptr, c, table_ptr, bp_ptr, codes_ptr, first, n, STEPS: tl.constexpr,
-                      K: tl.constexpr, NV: tl.constexpr, ROLL1: tl.constexpr, PASS1: tl.constexpr,
-                      SCALED: tl.constexpr):
+def _tcq_lanes_kernel(u_ptr, norm_ptr, c, table_ptr, bp_ptr, codes_ptr, first, n, packed_ptr, gain_ptr, bad_ptr,
+                      STEPS: tl.constexpr, K: tl.constexpr, NV: tl.constexpr, ROLL1: tl.constexpr,
+                      PASS1: tl.constexpr, SCALED: tl.constexpr, FINISH: tl.constexpr, FP16: tl.constexpr):
     """`_tcq_viterbi_kernel` for L = 2K without wide steps, in the lane layout (module docstring): NV vectors a
-    program, 2^K lanes each; the same two passes, so the same codes."""
+    program, 2^K lanes each; the same two passes, so the same codes. FINISH: the last backtrack packs the codes and
+    writes the gains (`_lanes_backtrack_finish`) instead of writing int32 codes."""
     R: tl.constexpr = 1 << K
     NL: tl.constexpr = NV * R
     pid = tl.program_id(0)
@@ -330,7 +371,11 @@ def _tcq_lanes_kernel(u_ptr, norm_ptr, c, table_ptr, bp_ptr, codes_ptr, first, n
     cost = _lanes_pass(u_ptr, ulane, vvalid, scale, bp_ptr, blane, t0, t1, hl, 0, STEPS, True, STEPS, K, NL)
     end = _lanes_argmin(cost, col != hl, NV, R)  # the last state's low k bits must be h
     tl.debug_barrier()
-    _lanes_backtrack(_to_lanes(end, NV, R), vvalid, bp_ptr, blane, codes_ptr, clane, STEPS, 0, True, K, NL)
+    if FINISH:
+        _lanes_backtrack_finish(_to_lanes(end, NV, R), vvalid, bp_ptr, blane, u_ptr, ulane, table_ptr, packed_ptr,
+                                first + lslot, gain_ptr, bad_ptr, STEPS, K, NL, FP16)
+    else:
+        _lanes_backtrack(_to_lanes(end, NV, R), vvalid, bp_ptr, blane, codes_ptr, clane, STEPS, 0, True, K, NL)
 
 
 def lanes_fit(codec) -> bool:
@@ -375,11 +420,17 @@ def viterbi(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = Non
 
 def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
            programs: int | None = None, window: int | None = PASS_ONE_WINDOW, layout: str | None = None,
-           norm: torch.Tensor | None = None) -> torch.Tensor:
+           norm: torch.Tensor | None = None, into: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
     """`viterbi`'s codes as the kernel writes them: int32 [vectors, steps], vectors in u's order (every step of
-    every vector written by the last backtrack)."""
+    every vector written by the last backtrack). With `into` (`finish_buffers`; the lanes, u given as r and its
+    norm) the last backtrack packs the codes into `into["code"]` and writes the gains (`_lanes_backtrack_finish`)
+    instead, and the int32 codes are not written (returns None)."""
     layout = layout_of(codec, layout)
     lanes = layout == "lanes"
+    if into is not None and not (lanes and norm is not None and codec.steps % 8 == 0):
+        raise ValueError("tcq_encode: the search finishes the encode only in the lanes layout, from r and its norm, "
+                         f"with a multiple of 8 steps; got layout {layout!r}, norm "
+                         f"{'given' if norm is not None else 'None'}, {codec.steps} steps")
     vectors = vectors_a_program(codec, layout) if vectors is None else vectors
     if vectors < 1 or vectors & (vectors - 1):
         raise ValueError(f"tcq_encode: vectors a program must be a power of two, got {vectors}")
@@ -392,7 +443,8 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         raise ValueError(f"tcq_encode: norm must hold one norm a vector ({n} here), got shape {tuple(norm.shape)}")
     norms = flat if norm is None else norm.reshape(n).to(torch.float32).contiguous()
     unit = math.sqrt(codec.head_dim)  # rounded to fp32 by the launch, as torch's `scalar / tensor` rounds it
-    codes = torch.empty(n, codec.steps, dtype=torch.int32, device=u.device)
+    codes = torch.empty(0 if into else n, codec.steps, dtype=torch.int32, device=u.device)
+    fin = into or {"code": codes, "gain": codes, "bad": codes}  # unused unless FINISH
     if n:
         tab = device_tables(codec, u.device, "tcq-encode", lambda: {
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
@@ -404,15 +456,17 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
             grid = (triton.cdiv(min(per, n - first), vectors),)
             if lanes:
                 _tcq_lanes_kernel[grid](flat, norms, unit, tab["table"], back, codes, first, min(n, first + per),
-                                        STEPS=codec.steps, K=codec.k, NV=vectors, ROLL1=roll, PASS1=length,
-                                        SCALED=norm is not None, num_warps=warps, **LAUNCH)
+                                        fin["code"], fin["gain"], fin["bad"], STEPS=codec.steps, K=codec.k,
+                                        NV=vectors, ROLL1=roll, PASS1=length, SCALED=norm is not None,
+                                        FINISH=into is not None, FP16=fin["gain"].dtype == torch.float16,
+                                        num_warps=warps, **LAUNCH)
                 continue
             _tcq_viterbi_kernel[grid](
                 flat, norms, unit, tab["table"], tab["wide"], back, codes, first, min(n, first + per),
                 STEPS=codec.steps, K=codec.k, L=codec.L, WIDE=codec.hi > 0, NV=vectors, PREFETCH=bool(prefetch),
                 ROLL1=roll, PASS1=length, SCALED=norm is not None, num_warps=warps, **LAUNCH,
             )
-    return codes
+    return None if into else codes
 
 
 def rotated(codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,6 +510,22 @@ def _tcq_finish_kernel(codes_ptr, r_ptr, table_ptr, src_ptr, shift_ptr, packed_p
     pack_block(codes, packed_ptr, row64 * row_bytes, t0, n_tok, BT, STEPS, STEPS, K, 0, 0, STEPS)
 
 
+def finish_buffers(codec, r: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`finish`'s outputs, empty, for r [..., T, D]: the packed codes [..., row bytes], the gains [..., T] (fp16 or
+    fp32, the codec's norm width) and, for an fp16 gain, an overflow flag a vector ("bad")."""
+    *lead, T, _ = r.shape
+    fp16 = codec.norm_bits == 16
+    return {"code": torch.empty(*lead, (T * codec.steps * codec.k + 7) // 8, dtype=torch.uint8, device=r.device),
+            "gain": torch.empty(*lead, T, dtype=torch.float16 if fp16 else torch.float32, device=r.device),
+            "bad": torch.empty(math.prod(lead) * T if fp16 else 1, dtype=torch.int8, device=r.device)}
+
+
+def _check_gain(codec, gain: torch.Tensor, bad: torch.Tensor) -> None:
+    if gain.dtype == torch.float16 and gain.numel():
+        where = f"codec {codec.config} (layer {codec.layer})"
+        check_or_defer(bad.any(), lambda: fp16_norm_message(where, float(gain.float().max())))
+
+
 def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tensor]:
     """`codec._pack(codes, gain)` with u_hat and the gain from the search's int32 codes [vectors, steps] and the
     rotated r [..., T, D] fp32, in one launch (codecs without wide steps): the codes are packed as `_pack` packs
@@ -477,22 +547,30 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
             D=D, STEPS=codec.steps, BT=bt, K=codec.k, L=codec.L, J=tab["src"].shape[0], FP16=fp16,
             num_warps=4, **LAUNCH,
         )
-    if fp16 and gain.numel():
-        where = f"codec {codec.config} (layer {codec.layer})"
-        check_or_defer(bad.any(), lambda: fp16_norm_message(where, float(gain.float().max())))
+    _check_gain(codec, gain, bad)
     return {"code": packed, "gain": gain}
 
 
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-           programs: int | None = None, fused: bool = True, window: int | None = PASS_ONE_WINDOW,
+           programs: int | None = None, fused: bool | str = True, window: int | None = PASS_ONE_WINDOW,
            layout: str | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
     `warps`, `vectors`, `prefetch`, `programs`, `layout`: launch settings of `viterbi` (the codes do not depend on
     them); `window` is pass one's (the codes do: `mmkv.codecs.tcq.viterbi`, whose default the codec's encodings use).
     `fused` (codecs without wide steps): the states, gain and packing after the search in one kernel (`finish`);
-    otherwise the reference's torch code, whose gains are the reference's bit for bit. The search reads r and ||x||
+    "backtrack": in the lane search's last backtrack instead (`search(..., into=...)`: no int32 codes written or
+    read, one launch fewer; the lanes and a multiple of 8 steps only); False: the reference's torch code, whose
+    gains are the reference's bit for bit. The search reads r and ||x||
     and forms u itself (`_unit_scale`: the reference's u bit for bit, without its four torch ops and tensor)."""
+    if fused not in (True, False, "backtrack"):
+        raise ValueError(f"tcq_encode: fused must be True, False or 'backtrack', got {fused!r}")
     r, norm = rotated(codec, x.float())
+    if fused == "backtrack":
+        out = finish_buffers(codec, r)
+        search(codec, r, warps=warps, vectors=vectors, programs=programs, window=window, layout=layout, norm=norm,
+               into=out)
+        _check_gain(codec, out["gain"], out["bad"])
+        return Encoded(str(codec.config), tuple(x.shape), x.dtype, {"code": out["code"], "gain": out["gain"]})
     if fused and not codec.hi:
         codes = search(codec, r, warps=warps, vectors=vectors, prefetch=prefetch, programs=programs, window=window,
                        layout=layout, norm=norm)

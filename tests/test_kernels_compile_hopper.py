@@ -77,11 +77,12 @@ LANES = textwrap.dedent("""
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     sig = {"u_ptr": "*fp32", "norm_ptr": "*fp32", "c": "fp32", "table_ptr": "*fp32", "bp_ptr": "*i8",
-           "codes_ptr": "*i32", "first": "i32", "n": "i32", "STEPS": "constexpr", "K": "constexpr", "NV": "constexpr",
-           "ROLL1": "constexpr", "PASS1": "constexpr", "SCALED": "constexpr"}
+           "codes_ptr": "*i32", "first": "i32", "n": "i32", "packed_ptr": "*u8", "gain_ptr": "*fp16",
+           "bad_ptr": "*i8", "STEPS": "constexpr", "K": "constexpr", "NV": "constexpr", "ROLL1": "constexpr",
+           "PASS1": "constexpr", "SCALED": "constexpr", "FINISH": "constexpr", "FP16": "constexpr"}
     out = []
     for consts, warps in json.loads(sys.argv[1]):
-        consts = {"SCALED": True, **consts, "ROLL1": 16, "PASS1": 32}
+        consts = {"SCALED": True, "FINISH": False, "FP16": True, **consts, "ROLL1": 16, "PASS1": 32}
         k = triton.compile(ASTSource(fn=tcq_encode._tcq_lanes_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # ptxas -v: the registers and spill bytes
@@ -96,13 +97,15 @@ LANES = textwrap.dedent("""
 
 
 def test_tcq_lane_search_compiles_for_sm90_without_spills():
-    cases = [  # the 2-bit default (k = 4, L = 8) at its 2 vectors a program and the variants gpu_check_codecs times;
+    cases = [  # the 2-bit default (k = 4, L = 8) at its 4 vectors a program and the variants gpu_check_codecs times;
         ({"STEPS": 64, "K": 4, "NV": 2}, 1),  # k = 3 (L = 6), k = 5 (L = 10)
         ({"STEPS": 64, "K": 4, "NV": 4}, 1),
         ({"STEPS": 64, "K": 4, "NV": 8}, 2),
         ({"STEPS": 64, "K": 3, "NV": 4}, 1),
         ({"STEPS": 64, "K": 5, "NV": 1}, 1),
         ({"STEPS": 64, "K": 4, "NV": 2, "SCALED": False}, 1),
+        ({"STEPS": 64, "K": 4, "NV": 4, "FINISH": True}, 1),  # the encode finished in the last backtrack
+        ({"STEPS": 64, "K": 4, "NV": 2, "FINISH": True}, 1),
     ]
     res = compiled(LANES, json.dumps(cases))
     assert len(res) == len(cases)

@@ -243,6 +243,41 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
     assert torch.allclose(codec._decode(ker), codec._decode(ref), rtol=2e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("preset,d,heads,t,dtype,vectors", [
+    ("tcq:bits=2,L=8", 16, 2, 37, torch.float32, 4),  # 74 vectors: a partial last program
+    ("tcq:bits=2,L=8,norm=32", 32, 2, 9, torch.bfloat16, 2),  # fp32 gains
+    ("tcq:bits=2", 128, 1, 5, torch.bfloat16, 1),  # the video's head dim, windowed pass one
+    ("tcq:bits=1,L=4", 16, 1, 11, torch.float16, 4),  # k = 2: a vector's 2 bytes of codes from two lanes
+])
+def test_the_lane_search_can_finish_the_encode_in_its_last_backtrack(preset, d, heads, t, dtype, vectors):
+    """`fused="backtrack"`: the codes packed byte for byte as the reference packs them and the gains within the
+    finishing kernel's tolerance of the reference's (their sums run over the steps, last to first), with no int32
+    codes in between."""
+    codec, x = _setup(preset, d, heads, t, dtype, seed=6)
+    ref = codec._encode(x.float())
+    ker = K["tcq_encode"].encode(codec, x, fused="backtrack", vectors=vectors)
+    assert list(ker.tensors) == ["code", "gain"]
+    assert torch.equal(ker.tensors["code"], ref.tensors["code"])
+    g, want = ker.tensors["gain"], ref.tensors["gain"]
+    assert g.dtype == want.dtype and g.shape == want.shape
+    ulps = 2 if want.dtype == torch.float16 else 32
+    assert ((g.float() - want.float()).abs() <= ulps * torch.finfo(want.dtype).eps * want.float().abs()).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's fp16 inf
+def test_the_backtrack_finish_refuses_a_gain_beyond_fp16_and_what_it_cannot_search():
+    from mmkv.codecs import CodecError
+
+    enc = K["tcq_encode"]
+    codec, x = _setup("tcq:bits=2,L=8", 16, 2, 5, torch.float32)
+    with pytest.raises(CodecError, match=r"does not fit an fp16 norm \(max 65504.0\); use norm=32"):
+        enc.encode(codec, x * 1e5, fused="backtrack")
+    with pytest.raises(ValueError, match="finishes the encode only in the lanes layout"):
+        enc.encode(codec, x, fused="backtrack", layout="tile")
+    with pytest.raises(ValueError, match="fused must be True, False or 'backtrack'"):
+        enc.encode(codec, x, fused="search")
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's fp16 inf
 def test_fused_finish_refuses_a_gain_beyond_fp16():
     from mmkv.codecs import CodecError
