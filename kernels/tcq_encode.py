@@ -510,14 +510,15 @@ def _tcq_finish_kernel(codes_ptr, r_ptr, table_ptr, src_ptr, shift_ptr, packed_p
     pack_block(codes, packed_ptr, row64 * row_bytes, t0, n_tok, BT, STEPS, STEPS, K, 0, 0, STEPS)
 
 
-def finish_buffers(codec, r: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`finish`'s outputs, empty, for r [..., T, D]: the packed codes [..., row bytes], the gains [..., T] (fp16 or
-    fp32, the codec's norm width) and, for an fp16 gain, an overflow flag a vector ("bad")."""
+def finish_buffers(codec, r: torch.Tensor, flags: int) -> dict[str, torch.Tensor]:
+    """The encode's outputs, empty, for r [..., T, D]: the packed codes [..., row bytes], the gains [..., T] (fp16 or
+    fp32, the codec's norm width) and, for an fp16 gain, `flags` overflow flags ("bad"), each of which the kernel
+    writes."""
     *lead, T, _ = r.shape
     fp16 = codec.norm_bits == 16
     return {"code": torch.empty(*lead, (T * codec.steps * codec.k + 7) // 8, dtype=torch.uint8, device=r.device),
             "gain": torch.empty(*lead, T, dtype=torch.float16 if fp16 else torch.float32, device=r.device),
-            "bad": torch.empty(math.prod(lead) * T if fp16 else 1, dtype=torch.int8, device=r.device)}
+            "bad": torch.empty(flags if fp16 else 1, dtype=torch.int8, device=r.device)}
 
 
 def _check_gain(codec, gain: torch.Tensor, bad: torch.Tensor) -> None:
@@ -531,23 +532,19 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
     rotated r [..., T, D] fp32, in one launch (codecs without wide steps): the codes are packed as `_pack` packs
     them; the gain's sums run in the kernel's order, so a gain may differ from the reference's in its last bits
     (an fp16 gain then rounds the same way but near ties)."""
-    *lead, T, D = r.shape
+    T, D = r.shape[-2:]
     rows = rows_of(r)
-    dev = r.device
-    row_bytes = (T * codec.steps * codec.k + 7) // 8
-    packed = torch.empty(*lead, row_bytes, dtype=torch.uint8, device=dev)
-    fp16 = codec.norm_bits == 16
-    gain = torch.empty(*lead, T, dtype=torch.float16 if fp16 else torch.float32, device=dev)
     bt = FINISH_TOKENS
-    bad = torch.empty(rows * triton.cdiv(T, bt) if fp16 else 1, dtype=torch.int8, device=dev)  # a flag a program
+    out = finish_buffers(codec, r, rows * triton.cdiv(T, bt))  # a flag a program
+    packed, gain = out["code"], out["gain"]
     if rows and T:
-        tab = tables(codec, dev)  # the decode kernel's: table, lookback src and shift
+        tab = tables(codec, r.device)  # the decode kernel's: table, lookback src and shift
         _tcq_finish_kernel[(triton.cdiv(T, bt), rows)](
-            codes, r.contiguous(), tab["table"], tab["src"], tab["shift"], packed, gain, bad, T, row_bytes,
-            D=D, STEPS=codec.steps, BT=bt, K=codec.k, L=codec.L, J=tab["src"].shape[0], FP16=fp16,
-            num_warps=4, **LAUNCH,
+            codes, r.contiguous(), tab["table"], tab["src"], tab["shift"], packed, gain, out["bad"], T,
+            packed.shape[-1], D=D, STEPS=codec.steps, BT=bt, K=codec.k, L=codec.L, J=tab["src"].shape[0],
+            FP16=gain.dtype == torch.float16, num_warps=4, **LAUNCH,
         )
-    _check_gain(codec, gain, bad)
+    _check_gain(codec, gain, out["bad"])
     return {"code": packed, "gain": gain}
 
 
@@ -566,7 +563,7 @@ def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None
         raise ValueError(f"tcq_encode: fused must be True, False or 'backtrack', got {fused!r}")
     r, norm = rotated(codec, x.float())
     if fused == "backtrack":
-        out = finish_buffers(codec, r)
+        out = finish_buffers(codec, r, r[..., 0].numel())  # a flag a vector
         search(codec, r, warps=warps, vectors=vectors, programs=programs, window=window, layout=layout, norm=norm,
                into=out)
         _check_gain(codec, out["gain"], out["bad"])

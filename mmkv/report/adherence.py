@@ -64,8 +64,8 @@ def _score_video(r: Rollout, named: dict) -> dict:
     adherence = full["adherence"] if full["found"] else 0.0
     return {
         "adherence": adherence, "consistency": full["consistency"], "object_found": bool(full["found"]),
-        **{f"{a}_ok": full[f"{a}_ok"] for a in ATTRIBUTES}, "named": [a for a in ATTRIBUTES if named.get(a) is not None],
-        "attribute_match": None,
+        **{f"{a}_ok": full[f"{a}_ok"] for a in ATTRIBUTES},
+        "named": [a for a in ATTRIBUTES if named.get(a) is not None], "attribute_match": None,
         "blocks": [{k: w.get(k) for k in ("label", "first_frame", "end_frame", "match", "background_psnr",
                                           "stripe_agreement")} for w in full["windows"][1:]],
     }

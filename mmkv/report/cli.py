@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", default=None, metavar="LIST",
                    help="metrics in the main table, e.g. lpips,psnr,lsd_db,snr_db (default: lpips, psnr, ssim, "
                         "latent_cosine, adherence, consistency, attribute_match for video (the last three where "
-                        "prompts are procedural captions); lsd_db, snr_db, log_mel_mse, latent_cosine, adherence, onset_match, "
-                        "onset_error_ms for audio (the last three where clips have procedural captions))")
+                        "prompts are procedural captions); lsd_db, snr_db, log_mel_mse, latent_cosine, adherence, "
+                        "onset_match, onset_error_ms for audio (the last three where clips have procedural "
+                        "captions))")
     p.add_argument("--gallery-items", type=int, default=None, metavar="N", help="show at most N items per model")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-cache", action="store_true", help="recompute metrics and do not write metrics.json")
