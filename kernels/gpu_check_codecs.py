@@ -48,6 +48,7 @@ VARIANTS = [{"warps": 2}, {"warps": 8}]
 # default, takes 14 launches of about one wave each); one warp with 2 or 4 vectors: independent searches side by side
 # in one warp, to hide each step's latency (a step of the search is about 100 instructions a warp at L = 8, compiled
 # for sm_90: docs/perf.md); fused=False: the reference's torch code after the search in place of the finishing kernel;
+# fused=True: the finishing kernel after the lane search in place of its last backtrack (the default where it fits);
 # window=None: pass one over all steps as QTIP's (the codes before 2026-12-03: the only variant whose codes may
 # differ).
 TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vectors": 2}, {"vectors": 4},
@@ -56,7 +57,8 @@ TCQ_VARIANTS = [{"warps": 4}, {"warps": 2}, {"warps": 8}, {"vectors": 1}, {"vect
                 {"prefetch": False, "programs": 4096}, {"vectors": 2, "programs": 4096},
                 {"fused": False}, {"window": None}, {"layout": "lanes"}, {"layout": "lanes", "vectors": 1},
                 {"layout": "lanes", "vectors": 4}, {"layout": "lanes", "vectors": 8, "warps": 2},
-                {"fused": "backtrack"}, {"fused": "backtrack", "vectors": 2}]
+                {"fused": "backtrack"}, {"fused": "backtrack", "vectors": 2}, {"fused": True},
+                {"fused": True, "vectors": 2}]
 
 
 def reference_encode(codec, x):
@@ -94,6 +96,46 @@ def bench(fn, reps: int = 20, warmup: int = 3) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def bench_stream(fn, calls: int = 20, reps: int = 5, warmup: int = 3) -> float:
+    """Median milliseconds a call of fn() when `calls` run back to back between two CUDA events (the host queues
+    ahead of the GPU, as in a rollout, so the figure is the GPU's time a call, not the host's launch latency);
+    device-side checks are collected inside the run and read after it (`encode_scope(collect=True)`)."""
+    from mmkv.codecs.checks import encode_scope
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with encode_scope(collect=True) as pending:
+            a.record()
+            for _ in range(calls):
+                fn()
+            b.record()
+        b.synchronize()
+        if any(bool(bad) for bad, _ in pending):
+            raise RuntimeError("a device-side check failed inside bench_stream")
+        times.append(a.elapsed_time(b) / calls)
+    return statistics.median(times)
+
+
+def kernel_ms(fn) -> dict[str, float]:
+    """GPU milliseconds by kernel name of one fn() call (torch.profiler, after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and getattr(ev, "device_time_total", 0) > 0:
+            out[ev.key[:60]] = round(ev.device_time_total / 1000, 4)
+    return out
 
 
 def make_input(shape, seed=0):
@@ -158,6 +200,15 @@ def run_preset(preset: str, shape_name: str, args, warm_only: bool = False) -> d
     enc = enc_fn(codec, x)
     row["encode_ms"] = bench(lambda: enc_fn(codec, x))
     row["decode_ms"] = bench(lambda: dec_fn(codec, enc, torch.bfloat16))
+    if codec.name == "tcq":  # the GPU's time a call with the host ahead, and where it goes
+        from mmkv.kernels.tcq_encode import lanes_fit as tcq_lanes_fit
+
+        row["encode_stream_ms"] = bench_stream(lambda: enc_fn(codec, x))
+        row["encode_stream_GBs"] = x.numel() * 2 / row["encode_stream_ms"] / 1e6
+        row["encode_kernel_ms"] = kernel_ms(lambda: enc_fn(codec, x))
+        if not codec.hi and tcq_lanes_fit(codec):
+            row["encode_stream_finish_ms"] = bench_stream(lambda: enc_fn(codec, x, fused=True))  # the other finish
+            row["encode_kernel_finish_ms"] = kernel_ms(lambda: enc_fn(codec, x, fused=True))
     if codec.name == "tcq":  # the encode's parts: rotation and norm, the search (forming u, or given it), finish
         from mmkv.kernels import tcq_encode
 
@@ -292,6 +343,14 @@ def main(argv=None) -> int:
             parts += [f"finish {r['finish_ms']:.3f}"] if "finish_ms" in r else []
             parts += ["u in kernel: " + ("codes equal" if r["u_in_kernel_codes_equal"] else "CODES DIFFER")]
             print(f"|  | ↳ ms: {', '.join(parts)} |")
+        if "encode_stream_ms" in r:  # TCQ: the GPU's time a call (calls back to back) and its kernels
+            line = f"encode back to back {r['encode_stream_ms']:.3f} ms = {r['encode_stream_GBs']:.1f} GB/s"
+            if "encode_stream_finish_ms" in r:
+                line += f", fused=True (the finishing kernel) {r['encode_stream_finish_ms']:.3f} ms"
+            print(f"|  | ↳ {line} |")
+            for key in ("encode_kernel_ms", "encode_kernel_finish_ms"):
+                if key in r:
+                    print(f"|  | ↳ {key}: " + ", ".join(f"{k} {v:.3f}" for k, v in r[key].items()) + " |")
         for name, v in r.get("variants", {}).items():
             same = {True: "codes equal", False: "CODES DIFFER"}.get(v.get("codes_equal"), "")
             print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.4g} | {v['encode_ms'] / cp:.2f} | | | | | "

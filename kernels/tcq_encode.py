@@ -1,9 +1,10 @@
 """TCQ encode: the tail-biting Viterbi search in one kernel, the twin of `mmkv.codecs.tcq.viterbi` (QTIP's bitshift
 trellis; reference `mmkv/codecs/tcq.py`). The rotation is the Hadamard kernel and the norm the reference's torch call
 (`rotated`); the search reads r and ||x|| and forms the unit vector u as the reference rounds it (`_unit_scale`), so
-that u is never written; after the search one more kernel (`finish`) rebuilds u_hat from the codes, takes the
-least-squares gain and packs the codes, where the reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as
-some twenty torch ops (codecs with wide steps still do).
+that u is never written; u_hat is rebuilt from the codes, the least-squares gain taken and the codes packed, where the
+reference runs `TCQCodec.unit_from_codes`, the gain and `_pack` as some twenty torch ops (codecs with wide steps still
+do): by default in the lane search's last backtrack (`DEFAULT_FUSED`, `backtrack_fits`), else by one more kernel after
+the search (`finish`).
 
 One program walks `vectors` vectors (`vectors_a_program`: 4 at L <= 8, else 1) with their 2^L path costs each on chip,
 as a [vectors, 2^L] tile (launches of at most `vectors_a_launch` vectors reuse one back-pointer scratch). A step of
@@ -548,8 +549,20 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
     return {"code": packed, "gain": gain}
 
 
+# How the encode finishes after the search by default (`fused=None`): in the lane search's last backtrack where it
+# can (`backtrack_fits`), timed faster on an H100 (2026-12-05, kernels/gpu_check_codecs.py at the video shape, 2 bits:
+# 0.681 against 0.712 ms an encode with calls back to back, its kernels 0.644 against 0.677 ms of GPU time, codes
+# equal; docs/perf.md), else the finishing kernel.
+DEFAULT_FUSED = "backtrack"
+
+
+def backtrack_fits(codec, layout: str | None = None) -> bool:
+    """Whether the lane search can finish the encode in its last backtrack: the lanes and a multiple of 8 steps."""
+    return layout_of(codec, layout) == "lanes" and codec.steps % 8 == 0
+
+
 def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None, prefetch: bool = True,
-           programs: int | None = None, fused: bool | str = True, window: int | None = PASS_ONE_WINDOW,
+           programs: int | None = None, fused: bool | str | None = None, window: int | None = PASS_ONE_WINDOW,
            layout: str | None = None) -> Encoded:
     """`codec.encode(x)` for TCQ with the search on the kernel: x[..., T, D] in any float dtype, already validated.
     `warps`, `vectors`, `prefetch`, `programs`, `layout`: launch settings of `viterbi` (the codes do not depend on
@@ -557,10 +570,13 @@ def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None
     `fused` (codecs without wide steps): the states, gain and packing after the search in one kernel (`finish`);
     "backtrack": in the lane search's last backtrack instead (`search(..., into=...)`: no int32 codes written or
     read, one launch fewer; the lanes and a multiple of 8 steps only); False: the reference's torch code, whose
-    gains are the reference's bit for bit. The search reads r and ||x||
+    gains are the reference's bit for bit; None (the default): `DEFAULT_FUSED` where `backtrack_fits`, else True.
+    The search reads r and ||x||
     and forms u itself (`_unit_scale`: the reference's u bit for bit, without its four torch ops and tensor)."""
-    if fused not in (True, False, "backtrack"):
-        raise ValueError(f"tcq_encode: fused must be True, False or 'backtrack', got {fused!r}")
+    if fused not in (None, True, False, "backtrack"):
+        raise ValueError(f"tcq_encode: fused must be None, True, False or 'backtrack', got {fused!r}")
+    if fused is None:
+        fused = DEFAULT_FUSED if DEFAULT_FUSED is True or backtrack_fits(codec, layout) else True
     r, norm = rotated(codec, x.float())
     if fused == "backtrack":
         out = finish_buffers(codec, r, r[..., 0].numel())  # a flag a vector

@@ -228,7 +228,7 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
     decodes like the reference encoding; 37 tokens leave a partial block of the kernel's 32."""
     codec, x = _setup(preset, d, heads, 37 if heads else t, dtype, seed=6)
     ref = codec._encode(x.float())
-    ker = K["tcq_encode"].encode(codec, x)
+    ker = K["tcq_encode"].encode(codec, x, fused=True)
     plain = K["tcq_encode"].encode(codec, x, fused=False)
     assert list(ker.tensors) == list(ref.tensors) == ["code", "gain"]
     assert torch.equal(ker.tensors["code"], ref.tensors["code"])
@@ -264,6 +264,27 @@ def test_the_lane_search_can_finish_the_encode_in_its_last_backtrack(preset, d, 
     assert ((g.float() - want.float()).abs() <= ulps * torch.finfo(want.dtype).eps * want.float().abs()).all()
 
 
+def test_the_encode_finishes_in_the_backtrack_by_default_where_it_can(monkeypatch):
+    """The default `fused=None` takes the backtrack finish where the lanes search a multiple of 8 steps (the same
+    bytes as asking for it) and the finishing kernel elsewhere (the tile layout, asked for or the only one at L = 9)."""
+    enc = K["tcq_encode"]
+    calls = []
+    real = enc.finish
+    monkeypatch.setattr(enc, "finish", lambda *a, **k: calls.append(1) or real(*a, **k))
+    codec, x = _setup("tcq:bits=2,L=8", 16, 2, 5, torch.float32, seed=3)
+    assert enc.backtrack_fits(codec) and not enc.backtrack_fits(codec, "tile")
+    default = enc.encode(codec, x)
+    assert not calls
+    back = enc.encode(codec, x, fused="backtrack")
+    assert all(torch.equal(default.tensors[k], back.tensors[k]) for k in ("code", "gain"))
+    enc.encode(codec, x, layout="tile")
+    assert len(calls) == 1
+    tile, y = _setup("tcq:bits=2,L=9", 16, 1, 3, torch.float32, seed=3)  # L != 2k: no lanes
+    assert not enc.backtrack_fits(tile)
+    enc.encode(tile, y)
+    assert len(calls) == 2
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's fp16 inf
 def test_the_backtrack_finish_refuses_a_gain_beyond_fp16_and_what_it_cannot_search():
     from mmkv.codecs import CodecError
@@ -274,7 +295,7 @@ def test_the_backtrack_finish_refuses_a_gain_beyond_fp16_and_what_it_cannot_sear
         enc.encode(codec, x * 1e5, fused="backtrack")
     with pytest.raises(ValueError, match="finishes the encode only in the lanes layout"):
         enc.encode(codec, x, fused="backtrack", layout="tile")
-    with pytest.raises(ValueError, match="fused must be True, False or 'backtrack'"):
+    with pytest.raises(ValueError, match="fused must be None, True, False or 'backtrack'"):
         enc.encode(codec, x, fused="search")
 
 
@@ -284,6 +305,6 @@ def test_fused_finish_refuses_a_gain_beyond_fp16():
 
     codec, x = _setup("tcq:bits=2,L=8", 16, 2, 5, torch.float32)
     with pytest.raises(CodecError, match=r"does not fit an fp16 norm \(max 65504.0\); use norm=32"):
-        K["tcq_encode"].encode(codec, x * 1e5)
+        K["tcq_encode"].encode(codec, x * 1e5, fused=True)
     with pytest.raises(CodecError, match="does not fit an fp16 norm"):
         codec._encode(x * 1e5)  # the reference says the same
