@@ -89,7 +89,7 @@ def unpack_at(in_ptr, row_base, idx, mask, W: tl.constexpr):
     byte = row_base + (bit >> 3)
     sh = (bit & 7).to(tl.int32)
     v = tl.load(in_ptr + byte, mask=mask, other=0).to(tl.int32)
-    if W > 1:
+    if 8 % W != 0:  # a width that divides 8 starts each code at a multiple of itself: never past its byte
         v |= tl.load(in_ptr + byte + 1, mask=mask & (sh + W > 8), other=0).to(tl.int32) << 8
     if W > 9:
         v |= tl.load(in_ptr + byte + 2, mask=mask & (sh + W > 16), other=0).to(tl.int32) << 16

@@ -3,7 +3,7 @@ the last L bits of the code string; reference `mmkv/codecs/tcq.py`).
 
 One token a thread. The state of step t is assembled from the codes of steps t, t-1, ... (circularly, J of them, each
 shifted by the bits of the steps after it: host tables `src` and `shift`), its V = 2 values are read from the trellis
-table, and x_hat = s * H(gain * u_hat) by the fp32 butterfly: the reference's operations in its order, cast once to the
+table in one 8-byte load (`table_pairs`), and x_hat = s * H(gain * u_hat) by the fp32 butterfly: the reference's operations in its order, cast once to the
 output dtype.
 """
 
@@ -39,6 +39,21 @@ def tables(codec, device: torch.device) -> dict:
     return device_tables(codec, device, "tcq", build)
 
 
+@triton.jit
+def table_pairs(pairs_ptr, state):
+    """The table's two values of each state, [..., 2] fp32, from the table viewed as one int64 a state (`pairs`):
+    one 8-byte gather a state instead of two 4-byte ones, the same bits (little-endian: the first value low)."""
+    pair = tl.load(pairs_ptr + state)
+    lo = pair.to(tl.int32).to(tl.float32, bitcast=True)
+    hi = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.join(lo, hi)
+
+
+def pairs(table: torch.Tensor) -> torch.Tensor:
+    """The fp32 table [2^L * 2] viewed as int64 [2^L], a state's two values in one element (`table_pairs`)."""
+    return table.view(torch.int64)
+
+
 @jit
 def _tcq_decode_kernel(
     code_ptr, hi_ptr, gain_ptr, table_ptr, src_ptr, shift_ptr, wide_ptr, rank_ptr, s_ptr, out_ptr,
@@ -53,15 +68,20 @@ def _tcq_decode_kernel(
     tok = (t0 + tt)[:, None]
     state = tl.zeros((BT, STEPS), tl.int32)
     for j in tl.static_range(J):
-        src = tl.load(src_ptr + j * STEPS + cols)[None, :]
+        if HI > 0:  # steps of two widths: the lookback tables
+            src = tl.load(src_ptr + j * STEPS + cols)[None, :]
+            shift = tl.load(shift_ptr + j * STEPS + cols)[None, :]
+        else:  # every step K bits: the tables are (t - j) mod STEPS and j K (`lookback`), computed, not loaded
+            src = ((cols + (STEPS - j)) % STEPS)[None, :]
+            shift = j * K
         code = unpack_at(code_ptr, row64 * code_row_bytes, tok * STEPS + src, tmask, K)
         if HI > 0:
             wide = tl.load(wide_ptr + src)
             rank = tl.load(rank_ptr + src)
             code |= unpack_at(hi_ptr, row64 * hi_row_bytes, tok * HI + rank, tmask & (wide > 0), 1) << K
-        state |= code << tl.load(shift_ptr + j * STEPS + cols)[None, :]
+        state |= code << shift
     state &= (1 << L) - 1
-    u = tl.reshape(tl.join(tl.load(table_ptr + 2 * state), tl.load(table_ptr + 2 * state + 1)), (BT, D))
+    u = tl.reshape(table_pairs(table_ptr, state), (BT, D))
     gain = tl.load(gain_ptr + row64 * T + t0 + tt, mask=tt < n_tok, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + (row % NH) * D + tl.arange(0, D)).to(tl.float32)
     y = fwht(gain[:, None] * u, BT, D) * scale * s[None, :]  # x_hat = s * H(gain * u_hat)
@@ -86,7 +106,7 @@ def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None, out: tor
     bt = 32 * warps  # one token a thread
     v = min(vector(dtype), D)
     _tcq_decode_kernel[(triton.cdiv(T, bt), rows)](
-        code, code_hi, gain, tab["table"], tab["src"], tab["shift"], tab["wide"], tab["rank"], tab["signs"], out,
+        code, code_hi, gain, pairs(tab["table"]), tab["src"], tab["shift"], tab["wide"], tab["rank"], tab["signs"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), code.shape[-1], code_hi.shape[-1] if codec.hi else 0, v, ors,
         D=D, STEPS=codec.steps, BT=bt, V=v, K=codec.k, HI=codec.hi, L=codec.L, J=tab["src"].shape[0],
         num_warps=warps, **LAUNCH,

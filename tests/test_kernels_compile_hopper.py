@@ -227,6 +227,47 @@ def test_tcq_finishing_kernel_compiles_for_sm90(tmp_path):
     assert len(built) == 3 and all(size > 1000 for size in built)
 
 
+TCQ_DECODE = textwrap.dedent("""
+    import json, os, re, subprocess, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from mmkv.kernels import tcq_decode
+    from mmkv.kernels.common import LAUNCH, ROWS_WARPS
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    sig = {"code_ptr": "*u8", "hi_ptr": "*u8", "gain_ptr": "*fp16", "table_ptr": "*i64", "src_ptr": "*i32",
+           "shift_ptr": "*i32", "wide_ptr": "*i32", "rank_ptr": "*i32", "s_ptr": "*fp32", "out_ptr": "*bf16",
+           "T": "i32", "NH": "i32", "scale": "fp32", "code_row_bytes": "i32", "hi_row_bytes": "i32", "vr": "i32",
+           "ORS": "i32", "D": "constexpr", "STEPS": "constexpr", "BT": "constexpr", "V": "constexpr",
+           "K": "constexpr", "HI": "constexpr", "L": "constexpr", "J": "constexpr"}
+    out = []
+    for k, hi, L, j in [(4, 0, 8, 2), (4, 45, 8, 2)]:  # the 2-bit default; a fractional rate's wide steps
+        consts = {"D": 128, "STEPS": 64, "BT": 32 * ROWS_WARPS, "V": 8, "K": k, "HI": hi, "L": L, "J": j}
+        c = triton.compile(ASTSource(fn=tcq_decode._tcq_decode_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": ROWS_WARPS, **LAUNCH})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(c.asm["ptx"])
+            f.flush()
+            log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True, check=True).stderr
+        spills = sum(int(b) for b in re.findall(r"(\\d+) bytes spill stores", log))
+        out.append([len(c.asm["cubin"]), spills, c.asm["ptx"].count("ld.global"), log.count("bytes spill stores")])
+    print(json.dumps(out))
+""")
+
+
+def test_tcq_decode_compiles_for_sm90_without_spills(tmp_path):
+    """TCQ's decode kernel at the 2-bit default computes its lookback instead of loading it and reads a state's
+    two table values in one load: compiled for sm_90 it spills nothing (it spilled 48 bytes a thread at 255
+    registers before, docs/perf.md), and it issues fewer global loads than the form with wide steps, which still
+    reads its lookback tables."""
+    (size, spills, loads, reports), (size_hi, _, loads_hi, _) = compiled(TCQ_DECODE, cache=tmp_path)
+    assert size > 1000 and size_hi > 1000
+    assert reports >= 1 and spills == 0
+    assert loads < loads_hi
+
+
 MINMAX_DECODE = textwrap.dedent("""
     import json
     import torch
