@@ -82,13 +82,18 @@ def kernels_for(codec):
     return enc.encode, dec.decode
 
 
-def bench(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `reps` CUDA-event-timed calls."""
+def _warm_then(fn, warmup: int, reps: int) -> range:
+    """Call fn() `warmup` times, wait for the GPU, then give the range of the timed repetitions."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    return range(reps)
+
+
+def bench(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over `reps` CUDA-event-timed calls."""
     times = []
-    for _ in range(reps):
+    for _ in _warm_then(fn, warmup, reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -104,11 +109,8 @@ def bench_stream(fn, calls: int = 20, reps: int = 5, warmup: int = 3) -> float:
     device-side checks are collected inside the run and read after it (`encode_scope(collect=True)`)."""
     from mmkv.codecs.checks import encode_scope
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in _warm_then(fn, warmup, reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with encode_scope(collect=True) as pending:
             a.record()

@@ -41,6 +41,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+# Prepended to the child scripts that read ptxas's report: `spill_report(ptx)` -> (spill store bytes a thread, how
+# many functions ptxas reported on), from Triton's bundled ptxas at sm_90a.
+SPILLS = textwrap.dedent("""
+    import os, re, subprocess, tempfile
+    import triton
+
+    def spill_report(ptx):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # ptxas -v: the registers and spill bytes
+            f.write(ptx)
+            f.flush()
+            log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True, check=True).stderr
+        return sum(int(b) for b in re.findall(r"(\\d+) bytes spill stores", log)), log.count("bytes spill stores")
+""")
+
 
 def compiled(script: str, *args: str, cache=None):
     """Run `script` in a child process without the interpreter or a GPU (Triton's own compiler, target sm_90) and
@@ -68,14 +84,13 @@ def test_tcq_encoder_variants_compile_for_sm90():
     assert len(sizes) == len(cases) and all(s > 1000 for s in sizes)  # a cubin for each
 
 
-LANES = textwrap.dedent("""
-    import json, os, re, subprocess, sys, tempfile
+LANES = SPILLS + textwrap.dedent("""
+    import json, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from mmkv.kernels import tcq_encode
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     sig = {"u_ptr": "*fp32", "norm_ptr": "*fp32", "c": "fp32", "table_ptr": "*fp32", "bp_ptr": "*i8",
            "codes_ptr": "*i32", "first": "i32", "n": "i32", "packed_ptr": "*u8", "gain_ptr": "*fp16",
            "bad_ptr": "*i8", "STEPS": "constexpr", "K": "constexpr", "NV": "constexpr", "ROLL1": "constexpr",
@@ -85,13 +100,8 @@ LANES = textwrap.dedent("""
         consts = {"SCALED": True, "FINISH": False, "FP16": True, **consts, "ROLL1": 16, "PASS1": 32}
         k = triton.compile(ASTSource(fn=tcq_encode._tcq_lanes_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # ptxas -v: the registers and spill bytes
-            f.write(k.asm["ptx"])
-            f.flush()
-            log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                                 capture_output=True, text=True, check=True).stderr
-        spills = sum(int(b) for b in re.findall(r"(\\d+) bytes spill stores", log))
-        out.append([len(k.asm["cubin"]), spills, k.asm["ptx"].count("shfl.sync"), log.count("bytes spill stores")])
+        spills, reports = spill_report(k.asm["ptx"])
+        out.append([len(k.asm["cubin"]), spills, k.asm["ptx"].count("shfl.sync"), reports])
     print(json.dumps(out))
 """)
 
@@ -227,15 +237,14 @@ def test_tcq_finishing_kernel_compiles_for_sm90(tmp_path):
     assert len(built) == 3 and all(size > 1000 for size in built)
 
 
-TCQ_DECODE = textwrap.dedent("""
-    import json, os, re, subprocess, tempfile
+TCQ_DECODE = SPILLS + textwrap.dedent("""
+    import json
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from mmkv.kernels import tcq_decode
     from mmkv.kernels.common import LAUNCH, ROWS_WARPS
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     sig = {"code_ptr": "*u8", "hi_ptr": "*u8", "gain_ptr": "*fp16", "table_ptr": "*i64", "src_ptr": "*i32",
            "shift_ptr": "*i32", "wide_ptr": "*i32", "rank_ptr": "*i32", "s_ptr": "*fp32", "out_ptr": "*bf16",
            "T": "i32", "NH": "i32", "scale": "fp32", "code_row_bytes": "i32", "hi_row_bytes": "i32", "vr": "i32",
@@ -246,13 +255,8 @@ TCQ_DECODE = textwrap.dedent("""
         consts = {"D": 128, "STEPS": 64, "BT": 32 * ROWS_WARPS, "V": 8, "K": k, "HI": hi, "L": L, "J": j}
         c = triton.compile(ASTSource(fn=tcq_decode._tcq_decode_kernel, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": ROWS_WARPS, **LAUNCH})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(c.asm["ptx"])
-            f.flush()
-            log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                                 capture_output=True, text=True, check=True).stderr
-        spills = sum(int(b) for b in re.findall(r"(\\d+) bytes spill stores", log))
-        out.append([len(c.asm["cubin"]), spills, c.asm["ptx"].count("ld.global"), log.count("bytes spill stores")])
+        spills, reports = spill_report(c.asm["ptx"])
+        out.append([len(c.asm["cubin"]), spills, c.asm["ptx"].count("ld.global"), reports])
     print(json.dumps(out))
 """)
 
