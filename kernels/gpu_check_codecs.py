@@ -336,7 +336,8 @@ def main(argv=None) -> int:
         ref = r.get("reference_encode_ms")
         print(f"| {r['shape']} | {r['preset']} | {r['encode_ms']:.3f} | {r['encode_GBs']:.4g} | "
               f"{r['encode_ms'] / cp:.2f} | {r['decode_ms']:.3f} | {r['decode_GBs']:.0f} | {r['decode_ms'] / cp:.2f} | "
-              f"{'-' if ref is None else f'{ref:.1f}'} | {bd:.2g} | {sr:.2g} | {c.get('decode_diff_frac', float('nan')):.2g} | "
+              f"{'-' if ref is None else f'{ref:.1f}'} | {bd:.2g} | {sr:.2g} | "
+              f"{c.get('decode_diff_frac', float('nan')):.2g} | "
               f"{c.get('rel_mse_ref', float('nan')):.5f}/{c.get('rel_mse_kernel_enc', float('nan')):.5f} |")
         if "viterbi_ms" in r:  # TCQ: where its encode's time goes
             parts = [f"rotated {r['rotated_ms']:.3f}", f"search {r['viterbi_ms']:.3f}",
@@ -355,8 +356,8 @@ def main(argv=None) -> int:
                     print(f"|  | ↳ {key}: " + ", ".join(f"{k} {v:.3f}" for k, v in r[key].items()) + " |")
         for name, v in r.get("variants", {}).items():
             same = {True: "codes equal", False: "CODES DIFFER"}.get(v.get("codes_equal"), "")
-            print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.4g} | {v['encode_ms'] / cp:.2f} | | | | | "
-                  f"{same} | | | |")
+            print(f"|  | ↳ {name} | {v['encode_ms']:.3f} | {v['encode_GBs']:.4g} | {v['encode_ms'] / cp:.2f} "
+                  f"| | | | | {same} | | | |")
     print(f"\ncopy ms: {copies}")
     if args.json:
         from mmkv.io import atomic_write_json

@@ -2,9 +2,9 @@
 the last L bits of the code string; reference `mmkv/codecs/tcq.py`).
 
 One token a thread. The state of step t is assembled from the codes of steps t, t-1, ... (circularly, J of them, each
-shifted by the bits of the steps after it: host tables `src` and `shift`), its V = 2 values are read from the trellis
-table in one 8-byte load (`table_pairs`), and x_hat = s * H(gain * u_hat) by the fp32 butterfly: the reference's operations in its order, cast once to the
-output dtype.
+shifted by the bits of the steps after it: host tables `src` and `shift`, or computed where every step has K bits),
+its V = 2 values are read from the trellis table in one 8-byte load (`table_pairs`), and x_hat = s * H(gain * u_hat)
+by the fp32 butterfly: the reference's operations in its order, cast once to the output dtype.
 """
 
 from __future__ import annotations

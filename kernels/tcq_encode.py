@@ -576,7 +576,7 @@ def encode(codec, x: torch.Tensor, *, warps: int = 1, vectors: int | None = None
     if fused not in (None, True, False, "backtrack"):
         raise ValueError(f"tcq_encode: fused must be None, True, False or 'backtrack', got {fused!r}")
     if fused is None:
-        fused = DEFAULT_FUSED if DEFAULT_FUSED is True or backtrack_fits(codec, layout) else True
+        fused = DEFAULT_FUSED if backtrack_fits(codec, layout) else True
     r, norm = rotated(codec, x.float())
     if fused == "backtrack":
         out = finish_buffers(codec, r, r[..., 0].numel())  # a flag a vector
