@@ -97,6 +97,20 @@ def test_head_dim_128(preset):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("preset", ["kivi:bits=2,group=32", "oscar:bits=2,group=32", "turboquant-mse:b=2",
+                                    "octopus:b=2"])
+def test_pasts_shorter_than_a_tile(preset):
+    """An AAR's first scales hold 1, 2 and 3 tokens: a past of a fraction of one tile (one key group for KIVI and
+    OScaR), with the CFG batch of 2 and queries of 1 and 2 rows, is still exact attention over the decode."""
+    for n, tq in ((1, 1), (2, 2), (3, 1)):
+        kernel, q, segs = setup(preset, b=2, tq=tq, lengths=(n,), skip=(0,), seed=13 + n)
+        out, lse = kernel(q, segs, 0.2)
+        assert kernel.last_path == "fused"
+        ref, ref_lse = attn_splitk.reference_lse(q, segs, 0.2)
+        assert rel(out, ref) < 2e-5, (n, rel(out, ref))
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-5)
+
+
 def test_matches_decode_then_sdpa_within_bf16_tolerance():
     """The acceptance check: fused vs the reference path of `mmkv.attention` (decode to the store dtype + SDPA)."""
     kernel, q, segs = setup("octopus:b=2", seed=5)
