@@ -98,7 +98,7 @@ def test_head_dim_128(preset):
 
 
 @pytest.mark.parametrize("preset", ["kivi:bits=2,group=32", "oscar:bits=2,group=32", "turboquant-mse:b=2",
-                                    "octopus:b=2"])
+                                    "octopus:b=2", "tcq:bits=2,L=8"])
 def test_pasts_shorter_than_a_tile(preset):
     """An AAR's first scales hold 1, 2 and 3 tokens: a past of a fraction of one tile (one key group for KIVI and
     OScaR), with the CFG batch of 2 and queries of 1 and 2 rows, is still exact attention over the decode."""
