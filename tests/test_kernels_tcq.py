@@ -226,7 +226,7 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
     """The one-kernel finish after the search: the packed codes are the reference's bytes, the gains the
     reference's up to the order of two 128-term sums (an fp16 gain within one ulp), and the whole encode
     decodes like the reference encoding; the tokens make one whole block of the kernel's 32 vectors and a partial
-    one (2 x 2 heads x 9 at d = 16 and 32, 2 x 1 x 17 at d = 128)."""
+    one (2 x 2 heads x 9 tokens at d = 16, 2 x 1 x 17 at d = 128)."""
     tokens = (17 if heads == 1 else 9) if heads else t
     codec, x = _setup(preset, d, heads, tokens, dtype, seed=6)
     ref = codec._encode(x.float())
