@@ -32,13 +32,13 @@ import weakref
 from typing import Sequence
 
 import torch
-import triton
 
 from mmkv.codecs.base import to_device_shared
 from mmkv.kernels.attn_splitk_triton import (  # noqa: F401
     _combine_kernel, _load_chunks, combine, empty_split, load_units, lookup, query_row, softmax_step, split_tiles,
     store_split, unit_ints, unit_scale, unit_values, value_rows, value_step,
 )
+from mmkv.kernels.common import cdiv
 
 # Query rows above which the fused path loses to decode + flash attention (one program per row re-dequantises the
 # tile for each row; flash attention is compute-bound at video chunk sizes; docs/perf.md).
@@ -176,7 +176,7 @@ class SplitKAttention:
         bn = self.tile_size(seg)
         t = seg.k_enc.shape[-2]
         first = seg.skip_tokens // bn
-        return first, triton.cdiv(t, bn) - first
+        return first, cdiv(t, bn) - first
 
     default_block_n = 64
     default_warps = 4

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import jit
+from mmkv.kernels.common import jit, next_power_of_2
 
 
 @triton.jit
@@ -220,5 +220,5 @@ def combine(out_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tenso
     out = torch.empty(*lead, d, dtype=torch.float32, device=out_part.device)
     lse = torch.empty(*lead, dtype=torch.float32, device=out_part.device)
     rows = math.prod(lead)
-    _combine_kernel[(rows,)](out_part, lse_part, out, lse, splits, D=d, BLOCK_S=min(64, triton.next_power_of_2(splits)))
+    _combine_kernel[(rows,)](out_part, lse_part, out, lse, splits, D=d, BLOCK_S=min(64, next_power_of_2(splits)))
     return out, lse

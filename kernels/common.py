@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import to_device_shared
+from mmkv.kernels.launch import Kernel
 
 # The interpreter (TRITON_INTERPRET=1, what CI runs on CPU) has no bf16/fp16 matrix product: dot operands go to fp32.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -41,18 +42,32 @@ SIZE_ARGS = frozenset({"T", "N", "n", "NGT", "N1", "N2", "S", "first", "skip", "
 
 def jit(fn=None, *, also: tuple[str, ...] = ()):
     """`triton.jit` for a launched kernel, with its `SIZE_ARGS` and the arguments named in `also` not specialised
-    (`@jit` or `@jit(also=(...))`)."""
+    (`@jit` or `@jit(also=(...))`). Compiled kernels launch through `mmkv.kernels.launch.Kernel`."""
     if fn is None:
         return lambda f: jit(f, also=also)
     names = list(inspect.signature(fn).parameters)
     missing = [a for a in also if a not in names]
     if missing:
         raise ValueError(f"{fn.__name__} has no arguments {missing}")
-    return triton.jit(fn, do_not_specialize=[a for a in names if a in SIZE_ARGS or a in also])
+    dont = [a for a in names if a in SIZE_ARGS or a in also]
+    if INTERPRET:
+        return triton.jit(fn, do_not_specialize=dont)
+    return Kernel(fn, do_not_specialize=dont)  # triton.jit's kernel with a cheaper launch (kernels/launch.py)
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host code (0 for 0): Triton's is a constexpr function whose host call unwraps
+    its arguments and imports at every call, several microseconds a launch."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for host code (see `next_power_of_2`)."""
+    return -(-a // b)
 
 
 def rows_of(x: torch.Tensor) -> int:
@@ -79,20 +94,27 @@ def decode_out_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     [B, n, H, T, D] written straight into token order, the view [B, H, n * T, D] -> [B, n, H, T, D] of a gather
     buffer slice that `mmkv.attention.gather` passes. Returns (out, (n1, n2, s0, s1, s2)); ValueError when `out`
     needs more levels, its rows overlap, or its token and channel strides are not D and 1."""
-    *lead, t, d = shape
-    flat = (1, 1, t * d, 0, 0)
+    t, d = shape[-2], shape[-1]
     if out is None:
-        return torch.empty(shape, dtype=dtype, device=device), flat
+        return torch.empty(shape, dtype=dtype, device=device), (1, 1, t * d, 0, 0)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != torch.device(device):
         raise ValueError(f"decode out must be {tuple(shape)} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} "
                          f"on {out.device}")
     if out.numel() == 0:
-        return out, flat
-    if (d > 1 and out.stride(-1) != 1) or (t > 1 and out.stride(-2) != d):
-        raise ValueError(f"decode out needs token stride {d} and channel stride 1, got strides {out.stride()}")
+        return out, (1, 1, t * d, 0, 0)
+    return out, _row_levels(tuple(shape), out.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_levels(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """`decode_out_rows`'s (n1, n2, s0, s1, s2) for a non-empty `out` of this shape and these strides (kept per
+    layout: a rollout decodes into the same few gather-buffer layouts at every attention call)."""
+    *lead, t, d = shape
+    if (d > 1 and strides[-1] != 1) or (t > 1 and strides[-2] != d):
+        raise ValueError(f"decode out needs token stride {d} and channel stride 1, got strides {strides}")
     levels: list[list[int]] = []  # [size, stride], outermost first, each level's dims merged when evenly strided
     for i in range(len(lead)):
-        size, stride = out.shape[i], out.stride(i)
+        size, stride = shape[i], strides[i]
         if size == 1:
             continue
         if levels and levels[-1][1] == stride * size:
@@ -100,17 +122,16 @@ def decode_out_rows(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
         else:
             levels.append([size, stride])
     if len(levels) > 3:
-        raise ValueError(f"decode out rows need more than three strided levels: strides {out.stride()}, "
-                         f"shape {tuple(shape)}")
+        raise ValueError(f"decode out rows need more than three strided levels: strides {strides}, shape {shape}")
     extent = t * d  # rows must not overlap: by increasing stride, each level steps over all the finer ones
     for size, stride in sorted(levels, key=lambda lv: lv[1]):
         if stride < extent:
-            raise ValueError(f"decode out rows overlap: strides {out.stride()}, shape {tuple(shape)}")
+            raise ValueError(f"decode out rows overlap: strides {strides}, shape {shape}")
         extent = stride * size
     if not levels:
-        return out, flat
+        return (1, 1, t * d, 0, 0)
     (_, s0), (n1, s1), (n2, s2) = levels + [[1, 0]] * (3 - len(levels))
-    return out, (n1, n2, s0, s1, s2)
+    return (n1, n2, s0, s1, s2)
 
 
 @functools.lru_cache(maxsize=256)

@@ -77,13 +77,23 @@ def module(name: str, op: str):
 
 
 def lookup(op: str, codec) -> Callable | None:
-    """The kernel for `op` ("encode" or "decode") of this codec instance, or None for the torch reference."""
+    """The kernel for `op` ("encode" or "decode") of this codec instance, or None for the torch reference. Asked at
+    every encode and decode, so the answer is kept on the instance for each value of MMKV_KERNELS (what else it
+    depends on, Triton and CUDA being there and the codec's config, does not change in a process)."""
+    memo = codec.__dict__.setdefault("_kernel_lookup", {})
+    key = (op, os.environ.get("MMKV_KERNELS"))
+    found = memo.get(key, memo)
+    if found is not memo:
+        return found
     if op not in OPS:
         raise ValueError(f"unknown kernel op {op!r}; expected one of {OPS}")
     if op not in KERNELS.get(codec.name, {}) or not enabled():
-        return None
-    mod = module(codec.name, op)
-    return getattr(mod, op) if mod.supports(codec) else None
+        found = None
+    else:
+        mod = module(codec.name, op)
+        found = getattr(mod, op) if mod.supports(codec) else None
+    memo[key] = found
+    return found
 
 
 def attention_kernel(k_config, v_config):

@@ -10,11 +10,11 @@ import itertools
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.codecs.groupquant import num_groups
 from mmkv.kernels.common import (
+    cdiv, next_power_of_2,
     LAUNCH, cast_to, decode_out_rows, jit, out_row, rows_of, store_rows, token_block, unit_of, vector,
 )
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
@@ -92,20 +92,20 @@ def minmax_decode(
     rows = rows_of(out)
     if not rows or not T:
         return out
-    dp = triton.next_power_of_2(D)
+    dp = next_power_of_2(D)
     channel = axis == "channel"
     by_rows = row_layout(D, bits, rotate)
     bt = block_tokens(group, dp, channel, by_rows)
     v = min(vector(dtype), D)
     scale = tensors["scale"].contiguous()
     ragged = channel and units is not None
-    _minmax_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _minmax_decode_kernel[(cdiv(T, bt), rows)](
         codes, scale, tensors["offset"].contiguous(), norm if norm is not None else scale, out,
         unit_table(units, group, dev) if ragged else scale,
         T, norm_heads, 1.0 / math.sqrt(D), codes.shape[-1], scale.shape[-1] if channel else -(-T // group),
         len(units) if ragged else 0, v, *rows_at,
         D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,
-        ROWS=by_rows, V=v, UNITS=ragged, UP=triton.next_power_of_2(len(units)) if ragged else 1,
+        ROWS=by_rows, V=v, UNITS=ragged, UP=next_power_of_2(len(units)) if ragged else 1,
         num_warps=max(1, bt // 32) if by_rows else (4 if bt * dp <= 4096 else 8), **LAUNCH,
     )
     return out

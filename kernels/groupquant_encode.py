@@ -13,12 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer, collecting
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, jit, rint, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cdiv, jit, next_power_of_2, rint, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht_lanes
 
@@ -133,7 +132,7 @@ def minmax_encode(
     *lead, T, D = x.shape
     rows = rows_of(x)
     dev = x.device
-    dp = triton.next_power_of_2(D)
+    dp = next_power_of_2(D)
     channel = axis == "channel"
     ngt = -(-T // group)
     ng = -(-D // group)
@@ -143,9 +142,9 @@ def minmax_encode(
     scale = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
     offset = torch.empty(meta_shape, dtype=meta_dtype, device=dev)
     bt = block_tokens(group, dp, channel)
-    flags = torch.empty(rows * triton.cdiv(T, bt), dtype=torch.int8, device=dev)  # one a program
+    flags = torch.empty(rows * cdiv(T, bt), dtype=torch.int8, device=dev)  # one a program
     if rows and T:
-        _minmax_encode_kernel[(triton.cdiv(T, bt), rows)](
+        _minmax_encode_kernel[(cdiv(T, bt), rows)](
             x, norm if norm is not None else x, codes, scale, offset, flags,
             T, norm_heads, 1.0 / math.sqrt(D), row_bytes, ngt,
             D=D, DP=dp, BT=bt, G=group, BITS=bits, CHANNEL=channel, ROTATE=rotate, NORM=norm is not None,

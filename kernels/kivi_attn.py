@@ -9,7 +9,6 @@ OScaR (`oscar_attn.py`) runs this kernel with its token norms (HAS_NORM) in the 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.kernels.attn_splitk import (
@@ -32,7 +31,7 @@ from mmkv.kernels.attn_splitk import (
     value_step,
     unit_shape,
 )
-from mmkv.kernels.common import jit
+from mmkv.kernels.common import cdiv, jit
 
 
 @jit
@@ -128,7 +127,7 @@ class KiviAttention(SplitKAttention):
             qk, out_part, lse_part,
             kcodes, ks, ko, kn,
             vcodes, vs, vo,
-            t, seg.skip_tokens, tile0, triton.cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
+            t, seg.skip_tokens, tile0, cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
             qk.shape[1] // h, scale * LOG2E,
             kcodes.stride(0), kcodes.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), kn_sb,
             vcodes.stride(0), vcodes.stride(1), vs.stride(0), vs.stride(1), vs.stride(2),

@@ -34,7 +34,7 @@ from mmkv.kernels.attn_splitk import (
     value_rows,
     value_step,
 )
-from mmkv.kernels.common import jit
+from mmkv.kernels.common import cdiv, jit
 
 TRIPLET_CHUNK = 16
 
@@ -144,12 +144,12 @@ class OctopusAttention(SplitKAttention):
         if vo.stride() != vs.stride():
             raise KernelUnsupported("scale and offset tensors must share strides")
         xi, _, rho_c, _, _ = kc._on(qk.device)  # the codec's own fp32 codebooks on this device
-        nch = triton.cdiv(kc.n_t, TRIPLET_CHUNK)
+        nch = cdiv(kc.n_t, TRIPLET_CHUNK)
         _octopus_attn_kernel[launch_grid(qk, splits)](
             qk, out_part, lse_part,
             dirs, rho, gam, xi, rho_c,
             vcodes, vs, vo,
-            t, seg.skip_tokens, tile0, triton.cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
+            t, seg.skip_tokens, tile0, cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
             qk.shape[1] // h, scale * LOG2E,
             dirs.stride(0), dirs.stride(1), rho.stride(0), rho.stride(1), gam.stride(0), gam.stride(1),
             vcodes.stride(0), vcodes.stride(1), vs.stride(0), vs.stride(1), vs.stride(2),

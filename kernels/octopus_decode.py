@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.kernels.common import (
+    cdiv,
     LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, jit, next_pow2, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.octopus_encode import _tables, from_triplets, supports  # noqa: F401  (same range as the encoder)
@@ -81,7 +81,7 @@ def decode(
     rho_p = t["rho"].contiguous() if codec.rho_bits else dir_p
     qjl_p = t["qjl"].contiguous() if qjl else dir_p
     rnorm = t["rnorm"].contiguous() if qjl else t["gamma"]
-    _octopus_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _octopus_decode_kernel[(cdiv(T, bt), rows)](
         dir_p, rho_p, t["gamma"].contiguous(), qjl_p, rnorm, tab["lut"], tab["rho_c"], tab["signs"], tab["sketch"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), getattr(codec, "qjl_scale", 0.0), dir_p.shape[-1], rho_p.shape[-1], v,
         ors,

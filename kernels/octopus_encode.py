@@ -21,6 +21,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import (
+    cdiv,
     LAUNCH, ROWS_WARPS, cells, device_tables, head_count, jit, load_rows, next_pow2, rows_of, search, search_table,
     token_block, vector,
 )
@@ -202,7 +203,7 @@ def encode(codec, x: torch.Tensor, *, warps: int | None = None) -> Encoded:
     bt = 32 * warps  # one token a thread
     v = min(vector(x.dtype), D)
     if rows and T:
-        _octopus_encode_kernel[(triton.cdiv(T, bt), rows)](
+        _octopus_encode_kernel[(cdiv(T, bt), rows)](
             x, tab["signs"], tab["xi_t"], tab["xi_n"], tab["rho_t"], tab["rho_n"], tab["lut"], tab["rho_c"],
             tab["sketch"], dir_p, rho_p if codec.rho_bits else dir_p, gamma, qjl_p if qjl else dir_p,
             rnorm if qjl else gamma, T, head_count(codec), 1.0 / math.sqrt(D), dir_bytes, rho_bytes, v,

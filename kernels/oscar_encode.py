@@ -15,11 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, jit, load_rows, rows_of, token_block, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cdiv, jit, load_rows, rows_of, token_block, vector
 from mmkv.kernels.groupquant_encode import minmax_encode, nonfinite, supports_minmax  # noqa: F401
 from mmkv.kernels.rotation import fwht
 
@@ -60,7 +59,7 @@ def token_norms(x: torch.Tensor) -> torch.Tensor:
     bt = 32 * ROWS_WARPS
     v = min(vector(x.dtype), D)
     if batch and T:
-        _token_norm_kernel[(triton.cdiv(T, bt), batch)](
+        _token_norm_kernel[(cdiv(T, bt), batch)](
             x, norm, T, heads, 1.0 / math.sqrt(D), v, D=D, BT=bt, V=v, num_warps=ROWS_WARPS, **LAUNCH
         )
     return norm

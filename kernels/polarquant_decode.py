@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mmkv.kernels.common import (
+    cdiv,
     INTERPRET, LAUNCH, ROWS_WARPS, cast_to, decode_out, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_plane
@@ -74,7 +75,7 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
     bt = 32 * ROWS_WARPS  # one token a thread
     v = min(vector(dtype), D)
     b1, b2, b3, b4 = codec.level_bits
-    _polarquant_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _polarquant_decode_kernel[(cdiv(T, bt), rows)](
         *planes, t["radius"].contiguous(), tab["cent"], tab["signs"], out,
         T, 1.0 / math.sqrt(D), *[p.shape[-1] for p in planes], v, ors,
         D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET, V=v, num_warps=ROWS_WARPS, **LAUNCH,

@@ -23,6 +23,7 @@ from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
+    cdiv,
     INTERPRET, LAUNCH, ROWS_WARPS, device_tables, jit, load_rows, rows_of, search, search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_plane
@@ -142,7 +143,7 @@ def encode(codec, x: torch.Tensor) -> Encoded:
     v = min(vector(x.dtype), D)
     if rows and T:
         b1, b2, b3, b4 = codec.level_bits
-        _polarquant_encode_kernel[(triton.cdiv(T, bt), rows)](
+        _polarquant_encode_kernel[(cdiv(T, bt), rows)](
             x, tab["signs"], tab["thr"], tab["n"], *planes, radius, T, 1.0 / math.sqrt(D), *row_bytes, v,
             D=D, BT=bt, B1=b1, B2=b2, B3=b3, B4=b4, LUT=_LUT, INTERP=INTERPRET,
             **dict(zip(("C1", "C2", "C3", "C4"), _cells(codec))), V=v, num_warps=ROWS_WARPS,

@@ -6,10 +6,9 @@ in another summation order than torch's, so values agree to fp32 rounding (docs/
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, jit, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, cdiv, decode_out, head_count, jit, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qjl_encode import _tables, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
@@ -47,7 +46,7 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
     if not rows or not T:
         return out
     bt = 16
-    _qjl_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _qjl_decode_kernel[(cdiv(T, bt), rows)](
         signs, enc.tensors["norm"].contiguous(), _tables(codec, dev)["sketch"], out, T, head_count(codec), codec.scale,
         signs.shape[-1], ors, D=D, M=codec.m, MB=min(128, codec.m & -codec.m), BT=bt, PREC=SKETCH_PRECISION,
         num_warps=4, **LAUNCH,

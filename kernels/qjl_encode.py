@@ -8,12 +8,11 @@ of 0 (docs/decisions.md, "Codec kernels").
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import LAUNCH, device_tables, head_count, jit, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cdiv, device_tables, head_count, jit, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION
 
@@ -58,7 +57,7 @@ def encode(codec, x: torch.Tensor) -> Encoded:
     norm = torch.empty(*lead, T, dtype=torch.float32, device=dev)
     bt = 16
     if rows and T:
-        _qjl_encode_kernel[(triton.cdiv(T, bt), rows)](
+        _qjl_encode_kernel[(cdiv(T, bt), rows)](
             x, _tables(codec, dev)["sketch"], signs, norm, T, head_count(codec), row_bytes,
             D=D, M=m, MB=min(128, m & -m), BT=bt, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,
         )

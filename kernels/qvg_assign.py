@@ -12,10 +12,9 @@ dot product's summation order moves a distance across a near-tie.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from mmkv.kernels.common import INTERPRET, LAUNCH, jit
+from mmkv.kernels.common import INTERPRET, LAUNCH, cdiv, jit
 
 
 @jit
@@ -70,7 +69,7 @@ def assign(points: torch.Tensor, centroids: torch.Tensor, x_sq: torch.Tensor, c_
         return ids
     mma = points.dtype == torch.bfloat16 and not INTERPRET  # the interpreter has no bf16 matrix product
     bn, bk = (64, 64) if d <= 128 else (32, 32)
-    _assign_kernel[(triton.cdiv(n, bn), p)](
+    _assign_kernel[(cdiv(n, bn), p)](
         points.contiguous(), centroids.contiguous(), x_sq.contiguous(), c_sq.contiguous(), ids,
         n, K=k, D=d, BN=bn, BK=bk, MMA=mma, num_warps=4, **LAUNCH,
     )

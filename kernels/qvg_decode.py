@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out_rows, jit, out_row, token_block, unit_of, unit_starts
+from mmkv.kernels.common import (
+    LAUNCH, cast_to, cdiv, decode_out_rows, jit, next_power_of_2, out_row, token_block, unit_of, unit_starts,
+)
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.qvg_encode import block_tokens, supports  # noqa: F401  (same parameter range)
 
@@ -80,12 +82,12 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
         zeros = t["zeros"].contiguous().view(torch.uint8) if codec.asymmetric else scales
         bt = block_tokens(d)
         units = codec.units(enc) if stages else None
-        _decode_kernel[(triton.cdiv(n, bt), p)](
+        _decode_kernel[(cdiv(n, bt), p)](
             t["codes"].contiguous(), scales, zeros, ids, cents, out, unit_starts(units, dev) if units else scales,
             n, codec.centroids, codec.centroids * (len(units) if units else 1), len(units) if units else 0, p,
             t["codes"].shape[-1], *rows_at,
             D=d, BT=bt, BLK=codec.block, BITS=codec.bits, ASYM=codec.asymmetric, STAGES=stages,
-            UNITS=bool(units), UP=triton.next_power_of_2(len(units)) if units else 1,
+            UNITS=bool(units), UP=next_power_of_2(len(units)) if units else 1,
             num_warps=4, **LAUNCH,
         )
     return out if kernel_dtype == dtype else out.to(dtype)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
-from mmkv.kernels.common import LAUNCH, cast_to, jit, rint, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, cdiv, jit, rint, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.qvg_assign import assign, supports_shape
 from mmkv.kernels.qvg_update import update
@@ -117,7 +117,7 @@ def quant_pack(codec, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
     cents, ids = last if last is not None else (residual, residual)
     bt = block_tokens(d)
     if p and n:
-        _quant_pack_kernel[(triton.cdiv(n, bt), p)](
+        _quant_pack_kernel[(cdiv(n, bt), p)](
             residual.contiguous(), cents.contiguous(), ids.contiguous(), codes, scales.view(torch.uint8),
             (zeros if zeros is not None else scales).view(torch.uint8),
             n, cents.shape[1], row_bytes,

@@ -15,10 +15,9 @@ Two launches take the place of the reference's eleven torch ops and its fp64 [P,
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, jit
+from mmkv.kernels.common import LAUNCH, cast_to, cdiv, jit
 
 
 @jit
@@ -71,9 +70,9 @@ def update(points: torch.Tensor, ids: torch.Tensor, old: torch.Tensor) -> tuple[
         return new, counts
     bt = max(1, min(64, 8192 // d))
     if n:
-        _sums_kernel[(triton.cdiv(n, bt), p)](
+        _sums_kernel[(cdiv(n, bt), p)](
             points.contiguous(), ids.contiguous(), sums, counts, n, k, D=d, BT=bt, num_warps=4, **LAUNCH,
         )
     bk = max(1, min(32, 4096 // d))
-    _finish_kernel[(triton.cdiv(k, bk), p)](sums, counts, old.contiguous(), new, k, D=d, BK=bk, num_warps=4, **LAUNCH)
+    _finish_kernel[(cdiv(k, bk), p)](sums, counts, old.contiguous(), new, k, D=d, BK=bk, num_warps=4, **LAUNCH)
     return new, counts

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mmkv.codecs.base import CodecError
 from mmkv.codecs.rotation import is_pow2
-from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, jit, load_rows, store_rows, token_block, vector
+from mmkv.kernels.common import LAUNCH, ROWS_WARPS, cast_to, cdiv, jit, load_rows, store_rows, token_block, vector
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def rotate(x: torch.Tensor, signs: torch.Tensor | None = None, *, inverse: bool 
             raise CodecError(f"{nh} sign vectors need x[..., {nh}, T, {d}], got {tuple(x.shape)}")
     bt = 32 * ROWS_WARPS
     v, vo = min(vector(x.dtype), d), min(vector(out.dtype), d)
-    _rotate_kernel[(triton.cdiv(T, bt), rows)](
+    _rotate_kernel[(cdiv(T, bt), rows)](
         x, signs if signs is not None else x, out, T, nh, 1.0 / math.sqrt(d), v,
         D=d, BT=bt, V=v, VO=vo, SIGNS=signs is not None, INVERSE=inverse, num_warps=ROWS_WARPS, **LAUNCH,
     )

@@ -40,7 +40,7 @@ from mmkv.kernels.attn_splitk import (
     value_rows,
     value_step,
 )
-from mmkv.kernels.common import jit
+from mmkv.kernels.common import cdiv, jit
 from mmkv.kernels import tcq_decode
 from mmkv.kernels.packing import unpack_at
 
@@ -207,7 +207,7 @@ class TCQAttention(SplitKAttention):
         v_t, v_s, v_c = self.value_args(seg, qk.device, k_t[3:])
         _tcq_attn_kernel[launch_grid(qk, splits)](
             qk, out_part, lse_part, *k_t, *v_t,
-            t, seg.skip_tokens, tile0, triton.cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
+            t, seg.skip_tokens, tile0, cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
             qk.shape[1] // h, scale * LOG2E, *k_s, *v_s,
             D=d, STEPS=seg.k_codec.steps, BLOCK_N=self.tile_size(seg),
             KK=k_c["K"], KHI=k_c["HI"], KL=k_c["L"], KJ=k_c["J"], VTCQ=self.rotated_values,

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from mmkv.codecs.tcq import lookback
 from mmkv.kernels.common import (
+    cdiv,
     LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_at
@@ -105,7 +106,7 @@ def decode(codec, enc, dtype: torch.dtype, *, warps: int | None = None, out: tor
     warps = warps or ROWS_WARPS
     bt = 32 * warps  # one token a thread
     v = min(vector(dtype), D)
-    _tcq_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _tcq_decode_kernel[(cdiv(T, bt), rows)](
         code, code_hi, gain, pairs(tab["table"]), tab["src"], tab["shift"], tab["wide"], tab["rank"], tab["signs"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), code.shape[-1], code_hi.shape[-1] if codec.hi else 0, v, ors,
         D=D, STEPS=codec.steps, BT=bt, V=v, K=codec.k, HI=codec.hi, L=codec.L, J=tab["src"].shape[0],

@@ -42,7 +42,7 @@ from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.tcq import PASS_ONE_WINDOW, pass_one_window
 from mmkv.codecs.turboquant_mse import fp16_norm_message
-from mmkv.kernels.common import LAUNCH, device_tables, jit, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cdiv, device_tables, jit, rows_of, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import rotate
 from mmkv.kernels.tcq_decode import supports, tables  # noqa: F401  (supports: the decoder's range)
@@ -451,10 +451,10 @@ def search(codec, u: torch.Tensor, *, warps: int = 1, vectors: int | None = None
             "table": codec.table.reshape(-1), "wide": codec.wide.to(torch.int32)})
         per_launch = min(n, per)
         roll, length = pass_one_window(codec.steps, window)
-        back = torch.empty(triton.cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
+        back = torch.empty(cdiv(per_launch, vectors) * vectors, codec.steps, (1 << codec.L) >> codec.k,
                            dtype=torch.int8 if lanes else torch.int16, device=u.device)
         for first in range(0, n, per):  # the back-pointer scratch reused per launch
-            grid = (triton.cdiv(min(per, n - first), vectors),)
+            grid = (cdiv(min(per, n - first), vectors),)
             if lanes:
                 _tcq_lanes_kernel[grid](flat, norms, unit, tab["table"], back, codes, first, min(n, first + per),
                                         fin["code"], fin["gain"], fin["bad"], STEPS=codec.steps, K=codec.k,
@@ -536,11 +536,11 @@ def finish(codec, codes: torch.Tensor, r: torch.Tensor) -> dict[str, torch.Tenso
     T, D = r.shape[-2:]
     rows = rows_of(r)
     bt = FINISH_TOKENS
-    out = finish_buffers(codec, r, rows * triton.cdiv(T, bt))  # a flag a program
+    out = finish_buffers(codec, r, rows * cdiv(T, bt))  # a flag a program
     packed, gain = out["code"], out["gain"]
     if rows and T:
         tab = tables(codec, r.device)  # the decode kernel's: table, lookback src and shift
-        _tcq_finish_kernel[(triton.cdiv(T, bt), rows)](
+        _tcq_finish_kernel[(cdiv(T, bt), rows)](
             codes, r.contiguous(), tab["table"], tab["src"], tab["shift"], packed, gain, out["bad"], T,
             packed.shape[-1], D=D, STEPS=codec.steps, BT=bt, K=codec.k, L=codec.L, J=tab["src"].shape[0],
             FP16=gain.dtype == torch.float16, num_warps=4, **LAUNCH,

@@ -9,7 +9,6 @@ wavefront). Values are the unrotated groupquant token groups (`value_step`).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.kernels.attn_splitk import (
@@ -35,7 +34,7 @@ from mmkv.kernels.attn_splitk import (
     unit_shape,
     use_asm,
 )
-from mmkv.kernels.common import jit
+from mmkv.kernels.common import cdiv, jit
 
 
 @jit
@@ -106,7 +105,7 @@ class TurboQuantAttention(SplitKAttention):
             qk, out_part, lse_part,
             kcodes, kn, cb,
             vcodes, vs, vo,
-            t, seg.skip_tokens, tile0, triton.cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
+            t, seg.skip_tokens, tile0, cdiv(tiles, splits), split0, out_part.shape[-2], qk.shape[2],
             qk.shape[1] // h, scale * LOG2E,
             kcodes.stride(0), kcodes.stride(1), kn.stride(0), kn.stride(1),
             vcodes.stride(0), vcodes.stride(1), vs.stride(0), vs.stride(1), vs.stride(2),

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.kernels.common import (
+    cdiv,
     LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_block, unpack_rows
@@ -62,7 +62,7 @@ def decode(
     warps = warps or ROWS_WARPS
     bt = 32 * warps  # one token a thread
     v = min(vector(dtype), D)
-    _turboquant_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _turboquant_decode_kernel[(cdiv(T, bt), rows)](
         idx if idx is not None else idx_hi, idx_hi if idx_hi is not None else idx, norm,
         tab["lo_c"], tab["hi_c"], tab["signs"], out,
         T, head_count(codec), 1.0 / math.sqrt(D),

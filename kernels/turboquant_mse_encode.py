@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
 from mmkv.kernels.common import (
+    cdiv,
     LAUNCH, ROWS_WARPS, cells, device_tables, head_count, jit, load_rows, rows_of, search, search_table, token_block,
     vector,
 )
@@ -99,7 +99,7 @@ def encode(codec, x: torch.Tensor, *, warps: int | None = None) -> Encoded:
     bt = 32 * warps  # one token a thread
     v = min(vector(x.dtype), D)
     if rows and T:
-        _turboquant_encode_kernel[(triton.cdiv(T, bt), rows)](
+        _turboquant_encode_kernel[(cdiv(T, bt), rows)](
             x, tab["signs"], tab["lo_t"], tab["lo_n"], tab["hi_t"], tab["hi_n"], idx if hi < D else idx_hi,
             idx_hi if hi else idx, norm,
             T, head_count(codec), 1.0 / math.sqrt(D), lo_bytes, hi_bytes, v,

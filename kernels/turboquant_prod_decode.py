@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
-from mmkv.kernels.common import LAUNCH, cast_to, decode_out, head_count, jit, rows_of, token_block
+from mmkv.kernels.common import LAUNCH, cast_to, cdiv, decode_out, head_count, jit, rows_of, token_block
 from mmkv.kernels.packing import unpack_block
 from mmkv.kernels.rotation import fwht
 from mmkv.kernels.turboquant_prod_encode import SKETCH_PRECISION, _tables, supports  # noqa: F401
@@ -54,7 +53,7 @@ def decode(codec, enc, dtype: torch.dtype, *, out: torch.Tensor | None = None) -
         return out
     idx, qjl = t["idx"].contiguous(), t["qjl"].contiguous()
     bt = 32 if D <= 64 else 16
-    _turboquant_prod_decode_kernel[(triton.cdiv(T, bt), rows)](
+    _turboquant_prod_decode_kernel[(cdiv(T, bt), rows)](
         idx, qjl, t["rnorm"].contiguous(), t["norm"].contiguous(), tab["c"], tab["signs"], tab["sketch"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), codec.qjl_scale, idx.shape[-1], qjl.shape[-1], ors,
         D=D, BT=bt, B=codec.b, PREC=SKETCH_PRECISION, num_warps=4, **LAUNCH,

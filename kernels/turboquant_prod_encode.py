@@ -13,12 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
-from mmkv.kernels.common import LAUNCH, device_tables, head_count, jit, rows_of, search, search_table, token_block
+from mmkv.kernels.common import LAUNCH, cdiv, device_tables, head_count, jit, rows_of, search, search_table, token_block
 from mmkv.kernels.packing import pack_block
 from mmkv.kernels.rotation import fwht
 
@@ -87,7 +86,7 @@ def encode(codec, x: torch.Tensor) -> Encoded:
     norm = torch.empty(*lead, T, dtype=torch.float32, device=dev)
     bt = 32 if D <= 64 else 16
     if rows and T:
-        _turboquant_prod_encode_kernel[(triton.cdiv(T, bt), rows)](
+        _turboquant_prod_encode_kernel[(cdiv(T, bt), rows)](
             x, tab["signs"], tab["t"], tab["n"], tab["c"], tab["sketch"], idx, qjl, rnorm, norm,
             T, head_count(codec), 1.0 / math.sqrt(D), idx_bytes, qjl_bytes,
             D=D, BT=bt, B=codec.b, PREC=SKETCH_PRECISION,

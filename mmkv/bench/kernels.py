@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -78,7 +79,8 @@ SWEEP = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write every row as JSON to PATH")
-    parser.add_argument("--cases", default="decode,video,encode", help="comma list of decode, video, encode")
+    parser.add_argument("--cases", default="decode,video,encode",
+                        help="comma list of decode, video, encode, launch (host time a codec call, not in the default)")
     parser.add_argument("--presets", default=";".join(DECODE_PRESETS), help="rollout presets separated by ';'")
     parser.add_argument("--decode-lk", default="8192,32768,131072", help="decode cache lengths")
     parser.add_argument("--video-lk", default="9360,32760", help="video chunk cache lengths")
@@ -103,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
 
     presets = [p.strip() for p in args.presets.split(";") if p.strip()]
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    bad = set(cases) - {"decode", "video", "encode"}
+    bad = set(cases) - {"decode", "video", "encode", "launch"}
     if bad:
-        raise UsageError(f"unknown case(s) {sorted(bad)}; expected decode, video, encode")
+        raise UsageError(f"unknown case(s) {sorted(bad)}; expected decode, video, encode, launch")
     dev = torch.device("cuda")
     meta = {
         "device": torch.cuda.get_device_name(dev),
@@ -143,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     if "encode" in cases:
         default = args.presets == ";".join(DECODE_PRESETS)
         rows += bench.encode(presets + [p for p in ENCODE_ONLY if default and p not in presets])
+        save(False)
+    if "launch" in cases:
+        rows += bench.launch(presets)
     save(True)
     print(render(rows))
     if args.json:
@@ -228,6 +233,52 @@ class _Bench:
         group = max(int(codec.config.get("group", 1) or 1), 8)
         axes = token_axes(codec, x.shape[0], x.shape[1], x.shape[-1], group, x.device)
         return chunks, join_chunks(chunks, axes)
+
+    # -- launch ----------------------------------------------------------------------------------------------
+    def launch(self, presets: list[str], calls: int = 2000, rounds: int = 3) -> list[dict]:
+        """Host time of one `Codec.decode` / `Codec.encode` call on a shape too small to keep the GPU busy
+        ([1, 12, 16, 128] bf16), so the host sets the pace: through `mmkv.kernels.launch.Kernel`'s table and
+        through Triton's `JITFunction.run` (`FAST` off), `rounds` alternations of `calls` calls, median of each.
+        A tiny `torch.add` is timed the same way, to show the host's pace a launch."""
+        from mmkv.kernels import launch as L
+
+        x = self.randn(1, 12, 16, 128, key=("launch",))
+        shape = "x".join(map(str, x.shape))
+
+        def host_ms(fn: Callable[[], Any]) -> float:
+            fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            ms = (time.perf_counter() - t) / calls * 1e3
+            torch.cuda.synchronize()
+            return ms
+
+        aten = statistics.median(host_ms(lambda: torch.add(x, x)) for _ in range(rounds))
+        rows = [self._row("launch", "torch.add", "host ms a call", shape, aten, aten, 0, None, None, None, "aten")]
+        saved = L.FAST
+        try:
+            for preset in presets:
+                for codec in dict.fromkeys(self.codecs(preset, 12, 128), None):
+                    enc = codec.encode(x)
+                    out = torch.empty_like(x)
+                    for op, fn in (("decode", lambda: codec.decode(enc, torch.bfloat16, out=out)),
+                                   ("encode", lambda: codec.encode(x))):
+                        got: dict[bool, list[float]] = {False: [], True: []}
+                        for _ in range(rounds):
+                            for fast in (False, True):
+                                L.FAST = fast
+                                got[fast].append(host_ms(fn))
+                        table, triton_ms = statistics.median(got[True]), statistics.median(got[False])
+                        rows.append(self._row("launch", f"{codec.config} {op}", "host ms a call: launch table (ms) vs "
+                                              "Triton's JITFunction.run (baseline)", shape, table, triton_ms, 0,
+                                              None, None, None, "triton"))
+                        print(f"  launch {codec.config} {op}: table {table * 1e3:.1f} us, Triton's launcher "
+                              f"{triton_ms * 1e3:.1f} us, torch.add {aten * 1e3:.1f} us", flush=True)
+        finally:
+            L.FAST = saved
+        return rows
 
     # -- decode ----------------------------------------------------------------------------------------------
     def _sdpa_baseline(self, case: str, q, k, v, scale: float, shape: str) -> dict:
