@@ -55,10 +55,6 @@ def jit(fn=None, *, also: tuple[str, ...] = ()):
     return Kernel(fn, do_not_specialize=dont)  # triton.jit's kernel with a cheaper launch (kernels/launch.py)
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def next_power_of_2(n: int) -> int:
     """`triton.next_power_of_2` for host code (0 for 0): Triton's is a constexpr function whose host call unwraps
     its arguments and imports at every call, several microseconds a launch."""

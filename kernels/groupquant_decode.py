@@ -14,8 +14,8 @@ import triton.language as tl
 
 from mmkv.codecs.groupquant import num_groups
 from mmkv.kernels.common import (
-    cdiv, next_power_of_2,
-    LAUNCH, cast_to, decode_out_rows, jit, out_row, rows_of, store_rows, token_block, unit_of, vector,
+    LAUNCH, cast_to, cdiv, decode_out_rows, jit, next_power_of_2, out_row, rows_of, store_rows, token_block, unit_of,
+    vector,
 )
 from mmkv.kernels.groupquant_encode import block_tokens, row_layout, supports  # noqa: F401  (same parameter range)
 from mmkv.kernels.packing import unpack_block, unpack_rows

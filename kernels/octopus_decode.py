@@ -15,8 +15,8 @@ import torch
 import triton.language as tl
 
 from mmkv.kernels.common import (
-    cdiv,
-    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, jit, next_pow2, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, cdiv, decode_out, head_count, jit, next_power_of_2, rows_of, store_rows, token_block,
+    vector,
 )
 from mmkv.kernels.octopus_encode import _tables, from_triplets, supports  # noqa: F401  (same range as the encoder)
 from mmkv.kernels.packing import unpack_at, unpack_rows
@@ -85,7 +85,7 @@ def decode(
         dir_p, rho_p, t["gamma"].contiguous(), qjl_p, rnorm, tab["lut"], tab["rho_c"], tab["signs"], tab["sketch"], out,
         T, head_count(codec), 1.0 / math.sqrt(D), getattr(codec, "qjl_scale", 0.0), dir_p.shape[-1], rho_p.shape[-1], v,
         ors,
-        D=D, NT=codec.n_t, NTP=next_pow2(codec.n_t), BT=bt, V=v, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits,
+        D=D, NT=codec.n_t, NTP=next_power_of_2(codec.n_t), BT=bt, V=v, DIR_BITS=codec.dir_bits, RHO_BITS=codec.rho_bits,
         QJL=qjl, num_warps=warps, **LAUNCH,
     )
     return out

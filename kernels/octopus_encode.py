@@ -21,9 +21,8 @@ import triton.language as tl
 
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import (
-    cdiv,
-    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, jit, load_rows, next_pow2, rows_of, search, search_table,
-    token_block, vector,
+    LAUNCH, ROWS_WARPS, cdiv, cells, device_tables, head_count, jit, load_rows, next_power_of_2, rows_of, search,
+    search_table, token_block, vector,
 )
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
@@ -191,7 +190,7 @@ def encode(codec, x: torch.Tensor, *, warps: int | None = None) -> Encoded:
     rows = rows_of(x)
     dev = x.device
     tab = _tables(codec, dev)
-    n_t, ntp = codec.n_t, next_pow2(codec.n_t)
+    n_t, ntp = codec.n_t, next_power_of_2(codec.n_t)
     dir_bytes = (T * n_t * 2 * codec.dir_bits + 7) // 8
     rho_bytes = (T * n_t * codec.rho_bits + 7) // 8
     dir_p = torch.empty(*lead, dir_bytes, dtype=torch.uint8, device=dev)

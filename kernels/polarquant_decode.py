@@ -15,8 +15,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from mmkv.kernels.common import (
-    cdiv,
-    INTERPRET, LAUNCH, ROWS_WARPS, cast_to, decode_out, jit, rows_of, store_rows, token_block, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, cast_to, cdiv, decode_out, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_plane
 from mmkv.kernels.polarquant_encode import _LUT, _tables, supports  # noqa: F401  (same parameter range)

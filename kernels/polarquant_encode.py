@@ -23,8 +23,8 @@ from mmkv.codecs.base import Encoded
 from mmkv.codecs.checks import check_or_defer
 from mmkv.codecs.polarquant import BLOCK, DEPTH, angle_codebook
 from mmkv.kernels.common import (
-    cdiv,
-    INTERPRET, LAUNCH, ROWS_WARPS, device_tables, jit, load_rows, rows_of, search, search_table, token_block, vector,
+    INTERPRET, LAUNCH, ROWS_WARPS, cdiv, device_tables, jit, load_rows, rows_of, search, search_table, token_block,
+    vector,
 )
 from mmkv.kernels.packing import pack_plane
 from mmkv.kernels.rotation import fwht

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from mmkv.codecs.tcq import lookback
 from mmkv.kernels.common import (
-    cdiv,
-    LAUNCH, ROWS_WARPS, cast_to, decode_out, device_tables, head_count, jit, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, cdiv, decode_out, device_tables, head_count, jit, rows_of, store_rows, token_block,
+    vector,
 )
 from mmkv.kernels.packing import unpack_at
 from mmkv.kernels.rotation import fwht

@@ -11,8 +11,7 @@ import torch
 import triton.language as tl
 
 from mmkv.kernels.common import (
-    cdiv,
-    LAUNCH, ROWS_WARPS, cast_to, decode_out, head_count, jit, rows_of, store_rows, token_block, vector,
+    LAUNCH, ROWS_WARPS, cast_to, cdiv, decode_out, head_count, jit, rows_of, store_rows, token_block, vector,
 )
 from mmkv.kernels.packing import unpack_block, unpack_rows
 from mmkv.kernels.rotation import fwht

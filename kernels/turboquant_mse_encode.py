@@ -20,9 +20,8 @@ import triton.language as tl
 from mmkv.codecs.base import Encoded
 from mmkv.codecs.turboquant_mse import store_norm
 from mmkv.kernels.common import (
-    cdiv,
-    LAUNCH, ROWS_WARPS, cells, device_tables, head_count, jit, load_rows, rows_of, search, search_table, token_block,
-    vector,
+    LAUNCH, ROWS_WARPS, cdiv, cells, device_tables, head_count, jit, load_rows, rows_of, search, search_table,
+    token_block, vector,
 )
 from mmkv.kernels.packing import pack_block, pack_rows
 from mmkv.kernels.rotation import fwht
