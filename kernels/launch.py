@@ -18,6 +18,9 @@ What it leaves out, and when it falls back to `JITFunction.run`:
   neither);
 - the check that a kernel's global constants have not changed since it compiled: the globals the codec kernels read
   are module constants;
+- Triton's `debug` and `instrumentation_mode` knobs, which `run` adds to the options at every launch: a process keeps
+  the binaries its first launches compiled (set those knobs before the first launch, or use
+  `MMKV_TRITON_LAUNCH=triton`);
 - `MMKV_TRITON_LAUNCH=triton` in the environment turns the cache off for the process (to compare, or to rule it out).
 The kernel that runs and its arguments are the same either way, so outputs are bit-identical
 (`tests/test_kernels_launch.py`; on CUDA, against `JITFunction.run`).
