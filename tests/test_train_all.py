@@ -377,3 +377,24 @@ def test_deterministic_reaches_every_stage_the_plan_and_its_replay(run, tmp_path
                if "--stage" in cmd)
     assert main(["train", "all", "--out", str(tmp_path / "r2"), "--replay", str(run), "--deterministic"]) == 2
     assert "(got --deterministic)" in capsys.readouterr().err
+
+
+def test_the_distillation_scores_its_teacher_on_held_out_prompts_without_changing_the_student(run, tmp_path):
+    """`teacher_eval`: the teacher's own ODE rollouts of held-out captions, scored by the detector; its noise is its
+    own, so the student trains on the same draws and comes out byte for byte the same."""
+    from mmkv.pipelines.wan import scenes
+    from mmkv.pipelines.wan.distill import distill
+    from mmkv.pipelines.wan.train import get_config
+
+    outs = {}
+    for n in (0, 2):
+        cfg = get_config("micro", teacher_eval=n, distill_steps=3)
+        stats = distill(cfg, run / "video" / "dit", tmp_path / str(n), device=torch.device("cpu"), seed=7,
+                        budget_s=None, log=lambda _: None)
+        outs[n] = (stats, (tmp_path / str(n) / "causvid" / "model.pt").read_bytes())
+    assert outs[0][0]["teacher_eval"] is None
+    ev = outs[2][0]["teacher_eval"]
+    assert [c["seed"] for c in ev["clips"]] == scenes.held_out_seeds(2)
+    assert ev["summary"]["clips"] == 2 and ev["ode_steps"] == len(outs[2][0]["ode_grid"]) - 1
+    assert ev["guidance"] == 2.0 and {"colour_pct", "shape_pct", "direction_pct"} <= ev["summary"].keys()
+    assert outs[0][1] == outs[2][1]

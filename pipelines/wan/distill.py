@@ -76,6 +76,43 @@ def ode_rollout(dit, context: torch.Tensor, uncond: torch.Tensor | None, noise: 
     return out, caps
 
 
+@torch.no_grad()
+def score_teacher(comps, sampler, cfg: VideoTrainConfig, *, grid: list[float], device: torch.device
+                  ) -> dict[str, Any]:
+    """The teacher's chunk-wise ODE rollouts (as the trajectories are made) of `cfg.teacher_eval` held-out captions,
+    each from `NoiseStream(0, i)`, decoded and scored by the detector as `mmkv eval video` scores a rollout."""
+    from mmkv.metrics.adherence import score_clip
+    from mmkv.pipelines.common import NoiseStream
+    from mmkv.pipelines.wan.evaluate import StackedNoise, _slim, summarize
+    from mmkv.pipelines.wan.pipeline import WanVideoPipeline
+
+    t0 = time.perf_counter()
+    pipe = WanVideoPipeline(comps, get_preset("causvid"))
+    seeds = scenes.held_out_seeds(cfg.teacher_eval)
+    captions = [scenes.caption(scenes.sample_scene(s)) for s in seeds]
+    s_factor = cfg.vae["scale_factor_spatial"]
+    shape = (1 + (cfg.frames - 1) // cfg.vae["scale_factor_temporal"], cfg.dit["in_channels"],
+             cfg.height // s_factor, cfg.width // s_factor)
+    empty_ids, empty_mask = tokenize(comps.tokenizer, [""], cfg.text_len)
+    scores = []
+    for i in range(0, len(seeds), cfg.ode_batch):
+        part = captions[i:i + cfg.ode_batch]
+        ids, mask = tokenize(comps.tokenizer, part, cfg.text_len)
+        context = text_states(comps.text_encoder, ids.to(device), mask.to(device))
+        uncond = text_states(comps.text_encoder, empty_ids.expand(len(part), -1).to(device),
+                             empty_mask.expand(len(part), -1).to(device))
+        noise = StackedNoise([NoiseStream(0, i + j) for j in range(len(part))]).randn(len(part), *shape,
+                                                                                       device=device)
+        end, _ = ode_rollout(sampler, context.to(sampler.dtype), uncond.to(sampler.dtype), noise,
+                             fpb=cfg.frames_per_block, grid=grid, guidance=cfg.guidance, capture=[])
+        for seed, text, video in zip(seeds[i:], part, pipe.decode(end)):
+            scores.append({"seed": seed, "prompt": text,
+                           **score_clip(video, scenes.parse_caption(text), scenes.PALETTE)})
+    return {"preset": "causvid", "ode_steps": len(grid) - 1, "guidance": cfg.guidance,
+            "seconds": round(time.perf_counter() - t0, 2), "summary": summarize(scores),
+            "clips": [_slim(s) for s in scores]}
+
+
 def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch.device, seed: int,
             budget_s: float | None, init: Path | None = None,
             log: Callable[[str], None] = print, step_plan: list[tuple[int, int]] | None = None) -> dict[str, Any]:
@@ -143,6 +180,12 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
         log(f"distill: {made[fpb]} teacher trajectories with {fpb}-frame blocks ({len(grid) - 1} Euler steps, "
             f"guidance {cfg.guidance})")
     ode_seconds = time.perf_counter() - t0
+    teacher_eval = None
+    if cfg.teacher_eval:
+        teacher_eval = score_teacher(comps, sampler, cfg, grid=grid, device=device)
+        s = teacher_eval["summary"]
+        log(f"distill: the teacher on {s['clips']} held-out prompts ({teacher_eval['seconds']} s): colour "
+            f"{s['colour_pct']}%, shape {s['shape_pct']}%, direction {s['direction_pct']}%")
     student = (teacher if init is None else _load_release(init, device)[1]).train().requires_grad_(True)
     student.state.cache_cross_attn = False
     ema = frozen_copy(student)
@@ -176,5 +219,5 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
                          base_from=dit_folder / "base")
     note_release_size(size, log)
     return {**stats, "release_bytes": size, "ode_trajectories": {f"{k}-frame blocks": v for k, v in made.items()},
-            "ode_seconds": round(ode_seconds, 2), "ode_grid": grid,
+            "ode_seconds": round(ode_seconds, 2), "ode_grid": grid, "teacher_eval": teacher_eval,
             "capture_timesteps": {"causvid": chunk_ts, "causal-forcing-frame": frame_ts}}

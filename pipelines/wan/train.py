@@ -141,6 +141,10 @@ class VideoTrainConfig:
     # it first (`deepen`: each block followed by copies of itself whose outputs are zeroed, so the deeper model
     # starts as the same function and the copies learn from there).
     dit_layers: int = 0
+    # Held-out prompts on which the distillation scores its teacher's own ODE rollouts (chunk-wise, the trajectories'
+    # grid and guidance), before training the student: whether a shape the student misses was drawn by its teacher.
+    # 0: not scored. Its noise is its own (`NoiseStream`), so the training draws are the same either way.
+    teacher_eval: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
