@@ -29,6 +29,7 @@ it (`DIR/video/vae/release/`, a set `mmkv ship video` takes); `--stop-after dit`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import shutil
@@ -342,10 +343,13 @@ def apply_replay(args: argparse.Namespace) -> None:
         inits[lane] = None if init is None else (moved or init["folder"])
         record = Path(inits[lane]) / "train.json" if inits[lane] else None
         if lane in lanes and record is not None and (
-                not record.is_file() or sha256_file(record) != init["train_json_sha256"]):
+                not record.is_file() or sha256_file(record) != init["train_json_sha256"]) and (
+                "weights_sha256" not in init or weights_digest(Path(inits[lane])) != init["weights_sha256"]):
+            weights = (f" nor are its weights those recorded ({init['weights_sha256'][:12]}…)"
+                       if "weights_sha256" in init else "")
             raise ValueError(f"--replay {run}: its --{lane}-init {inits[lane]} is not the set it continued (its "
-                             f"train.json is missing or has another SHA-256 than {init['train_json_sha256'][:12]}…); "
-                             f"give that set's folder with --{lane}-init")
+                             f"train.json is missing or has another SHA-256 than {init['train_json_sha256'][:12]}…"
+                             f"{weights}); give that set's folder, or its replay's, with --{lane}-init")
     args.lanes = ",".join(lanes)
     args.config, args.seed, args.budget = plan["config"], plan["seed"], None
     args.eval_prompts = plan["eval_prompts"]
@@ -358,6 +362,20 @@ def apply_replay(args: argparse.Namespace) -> None:
     args.stop_after = ",".join(v for k, v in plan.get("stop_after", {}).items() if k in lanes) or None
     args.replay_pins = replay_pins(run, plan, lanes)
     args.replay_of = {"folder": str(run.resolve()), "plan_sha256": sha256_file(run / "plan.json")}
+
+
+_NOT_WEIGHTS = {"train.json", "eval.json", "SHA256SUMS"}
+
+
+def weights_digest(folder: Path) -> str:
+    """SHA-256 over the relative path and SHA-256 of every file of a set but its records (train.json, eval.json,
+    SHA256SUMS, logs): what a stage reads from an init. A replayed set has the same digest as the run it replays
+    (same weights, other seconds in its train.json), so a replay of a run that continued a run can start from the
+    earlier run's replay."""
+    folder = Path(folder)
+    lines = [f"{p.relative_to(folder).as_posix()} {sha256_file(p)}\n" for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name not in _NOT_WEIGHTS and p.suffix not in (".log", ".partial")]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
@@ -374,7 +392,8 @@ def plan_record(args: argparse.Namespace, lanes: list[str]) -> dict:
             if stage not in INIT_STAGES[lane]:
                 raise ValueError(f"--{lane}-init {init} is the output of the {stage!r} stage; every {lane} stage "
                                  f"continues from it only if it is a {' or '.join(INIT_STAGES[lane])} output")
-            inits[lane] = {"folder": str(Path(init).resolve()), "train_json_sha256": sha256_file(record)}
+            inits[lane] = {"folder": str(Path(init).resolve()), "train_json_sha256": sha256_file(record),
+                           "weights_sha256": weights_digest(Path(init))}
     sets = {lane: list(getattr(args, f"{lane}_set")) for lane in lanes if getattr(args, f"{lane}_set")}
     return {"lanes": lanes, "config": args.config, "seed": args.seed, "budget_s": args.budget,
             "shares": {s: v for s, v in parse_shares(getattr(args, "shares", None),
