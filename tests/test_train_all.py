@@ -302,6 +302,41 @@ def test_a_replay_refuses_an_init_that_changed(run, tmp_path, capsys):
     assert f"its --video-init {moved} is not the set it continued" in capsys.readouterr().err
 
 
+def test_a_replay_takes_an_init_replayed_elsewhere_by_its_weights(run, tmp_path):
+    """A run that continued a run replays from that run's replay: same weights, other seconds in its train.json.
+    plan.json records the init's weights digest (every file but the records), and the replay accepts a folder whose
+    train.json differs when its weights are those; one changed byte of a weight is refused."""
+    from mmkv.pipelines.train_all import add_arguments, apply_replay, weights_digest
+
+    init = run / "video" / "distill"
+    copy = tmp_path / "continued"
+    shutil.copytree(run, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    plan["inits"] = {"video": {"folder": str(init), "train_json_sha256": sha256_file(init / "train.json"),
+                               "weights_sha256": weights_digest(init)}}
+    (copy / "plan.json").write_text(json.dumps(plan))
+    replayed = tmp_path / "replayed"
+    shutil.copytree(init, replayed)
+    (replayed / "train.json").write_text('{"seconds": 1}')  # a replay's own timings
+    assert weights_digest(replayed) == weights_digest(init)
+
+    def replay(folder):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args(["--out", str(tmp_path / "r"), "--replay", str(copy), "--lanes", "video",
+                                  "--video-init", str(folder)])
+        apply_replay(args)
+        return args
+
+    assert replay(replayed).video_init == str(replayed)
+    weight = next(p for p in sorted(replayed.rglob("*.safetensors")))
+    data = bytearray(weight.read_bytes())
+    data[-1] ^= 1
+    weight.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="nor are its weights those recorded"):
+        replay(replayed)
+
+
 def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, tmp_path, capsys):
     """`--start-at dit,aar`: a run that fits one device call. The skipped stages' models come from the inits as they
     are (the dit stage reads its VAE from the video init, the aar stage its SAT and CLAP from the audio release),
