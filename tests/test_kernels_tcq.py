@@ -120,24 +120,28 @@ def test_viterbi_launch_settings_keep_the_codes(preset):
 def test_lane_layout_finds_the_reference_codes():
     """The lane layout (L = 2k, no wide steps: the 2-bit default) on vectors full of ties (all zeros: every path costs
     the same; equal pair values; repeated pairs), in launches of 8 with a partial last one, 1, 2 or 4 vectors a
-    program on 1 or 2 warps, with pass one windowed (d = 128) or over all steps (d = 16, and `window=None`)."""
+    program on 1 or 2 warps, with pass one windowed (d = 32, a window of 4 of its 16 steps: what d = 128 does with
+    the default 16 of 64, at an eighth of the interpreter's time) or over all steps (d = 16, and `window=None`)."""
+    from mmkv.codecs.tcq import PASS_ONE_WINDOW, pass_one_window
+
     enc = K["tcq_encode"]
-    for d, t in ((128, 3), (16, 5)):
+    for d, t, window in ((32, 3, 4), (16, 5, PASS_ONE_WINDOW)):
         codec, x = _setup("tcq:bits=2,L=8", d, 2, t, torch.float32, seed=6)
         assert enc.lanes_fit(codec)
+        assert (pass_one_window(codec.steps, window)[1] < codec.steps) == (d == 32)  # windowed at d = 32 only
         _, u = codec.unit_rotated(x.float())
         u = u.reshape(-1, codec.steps, 2).clone()
         u[0] = 0.0
         u[1, :, 1] = u[1, :, 0]
         u[2, 1::2] = u[2, 0::2]  # every pair twice
-        ref = reference_viterbi(u, codec.table, codec.widths, codec.L)
+        ref = reference_viterbi(u, codec.table, codec.widths, codec.L, window=window)
         settings = (((2, 1, None), (1, 1, 8), (4, 1, 8), (2, 2, 6), (4, 2, None)) if d == 16
                     else ((2, 1, None), (4, 2, 5)))
         for vectors, warps, programs in settings:
             got = enc.viterbi(codec, u.reshape(-1, d), warps=warps, vectors=vectors, programs=programs,
-                              layout="lanes")
+                              layout="lanes", window=window)
             assert torch.equal(got, ref), (d, vectors, warps, programs)
-        assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), layout="tile"), ref)
+        assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), layout="tile", window=window), ref)
         full = reference_viterbi(u, codec.table, codec.widths, codec.L, window=None)
         assert torch.equal(enc.viterbi(codec, u.reshape(-1, d), window=None, layout="lanes"), full)
 
