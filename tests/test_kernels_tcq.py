@@ -235,11 +235,12 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
     codec, x = _setup(preset, d, heads, tokens, dtype, seed=6)
     ref = codec._encode(x.float())
     ker = K["tcq_encode"].encode(codec, x, fused=True)
-    plain = K["tcq_encode"].encode(codec, x, fused=False)
     assert list(ker.tensors) == list(ref.tensors) == ["code", "gain"]
     assert torch.equal(ker.tensors["code"], ref.tensors["code"])
-    assert torch.equal(plain.tensors["code"], ref.tensors["code"])
-    assert torch.equal(plain.tensors["gain"], ref.tensors["gain"])
+    if d < 128:  # the unfused path's search at d = 128 is test_viterbi_kernel_finds_the_reference_codes's (half the time)
+        plain = K["tcq_encode"].encode(codec, x, fused=False)
+        assert torch.equal(plain.tensors["code"], ref.tensors["code"])
+        assert torch.equal(plain.tensors["gain"], ref.tensors["gain"])
     g, want = ker.tensors["gain"], ref.tensors["gain"]
     assert g.dtype == want.dtype and g.shape == want.shape
     # two sums of 128 products in another order: a few fp32 ulps, which an fp16 gain rounds away but at ties
@@ -252,7 +253,7 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
 @pytest.mark.parametrize("preset,d,heads,t,dtype,vectors", [
     ("tcq:bits=2,L=8", 16, 2, 37, torch.float32, 4),  # 74 vectors: a partial last program
     ("tcq:bits=2,L=8,norm=32", 32, 2, 9, torch.bfloat16, 2),  # fp32 gains
-    ("tcq:bits=2", 128, 1, 5, torch.bfloat16, 1),  # the video's head dim, windowed pass one
+    ("tcq:bits=2", 128, 1, 5, torch.bfloat16, 2),  # the video's head dim, windowed pass one, a partial program
     ("tcq:bits=1,L=4", 16, 1, 11, torch.float16, 4),  # k = 2: a vector's 2 bytes of codes from two lanes
 ])
 def test_the_lane_search_can_finish_the_encode_in_its_last_backtrack(preset, d, heads, t, dtype, vectors):
