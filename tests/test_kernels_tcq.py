@@ -251,8 +251,8 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
 
 
 @pytest.mark.parametrize("preset,d,heads,t,dtype,vectors", [
-    ("tcq:bits=2,L=8", 16, 2, 37, torch.float32, 4),  # 74 vectors: a partial last program
-    ("tcq:bits=2,L=8,norm=32", 32, 2, 9, torch.bfloat16, 2),  # fp32 gains
+    ("tcq:bits=2,L=8", 16, 2, 13, torch.float32, 8),  # 52 vectors: a partial last program (4 of 8), 20 of 32 packed
+    ("tcq:bits=2,L=8,norm=32", 32, 2, 9, torch.bfloat16, 4),  # fp32 gains
     ("tcq:bits=2", 128, 1, 5, torch.bfloat16, 2),  # the video's head dim, windowed pass one, a partial program
     ("tcq:bits=1,L=4", 16, 1, 11, torch.float16, 4),  # k = 2: a vector's 2 bytes of codes from two lanes
 ])
