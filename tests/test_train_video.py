@@ -365,6 +365,26 @@ def test_summary_counts_a_missing_object_as_wrong():
     s = summarize([clip, lost])
     assert s["found_pct"] == 50.0 and s["colour_pct"] == 50.0 and s["shape_pct"] == 0.0
     assert s["consistency_pct"] == 50.0 and s["background_psnr_db"] == 30.0
+    assert "shape_by_named" not in s  # no prompts, no table
+
+
+def test_summary_says_which_named_shapes_are_missed_and_what_they_read_as():
+    from mmkv.pipelines.wan.evaluate import summarize
+
+    def clip(prompt, found, shape, ok):
+        return {"prompt": prompt, "found": found, "shape": shape, "shape_ok": ok, "consistency": None, "windows": []}
+
+    scores = [clip("a small red square drifts down fast", True, "circle", False),
+              clip("the green square is large and moves down quickly", False, None, None),
+              clip("a small red circle drifts right slow", True, "circle", True),
+              clip("a small green cross moving down slowly", True, "cross", True),
+              clip("not a caption of the scenes", True, "circle", None)]
+    s = summarize(scores)
+    assert s["shape_pct"] == 40.0
+    assert s["shape_by_named"] == {
+        "circle": {"clips": 1, "right": 1, "read_as": {"circle": 1}},
+        "cross": {"clips": 1, "right": 1, "read_as": {"cross": 1}},
+        "square": {"clips": 2, "right": 0, "read_as": {"circle": 1, "none": 1}}}
 
 
 @pytest.mark.parametrize("fpb", [3, 1])

@@ -56,7 +56,26 @@ def summarize(scores: list[dict[str, Any]]) -> dict[str, Any]:
     psnr = [w["background_psnr"] for s in scores for w in s.get("windows", [])[1:]
             if w.get("background_psnr") is not None]
     out["background_psnr_db"] = round(float(np.mean(psnr)), 3) if psnr else None
+    if any(s.get("prompt") for s in scores):
+        out["shape_by_named"] = shape_table(scores)
     return out
+
+
+def shape_table(scores: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per shape the prompts name: the clips, how many the detector read as that shape, and what it read in each
+    ("none": no object found). A shape accuracy of 44% can be four shapes at 44% or three right and one never drawn
+    (the trained sets of 2026-12-06 drew no square: docs/training.md); this says which."""
+    table: dict[str, dict[str, Any]] = {}
+    for s in scores:
+        named = (scenes.parse_caption(s.get("prompt")) or {}).get("shape")
+        if named is None:
+            continue
+        row = table.setdefault(named, {"clips": 0, "right": 0, "read_as": {}})
+        row["clips"] += 1
+        row["right"] += bool(s.get("shape_ok"))
+        read = (s.get("shape") if s.get("found") else None) or "none"
+        row["read_as"][read] = row["read_as"].get(read, 0) + 1
+    return {k: {**table[k], "read_as": dict(sorted(table[k]["read_as"].items()))} for k in sorted(table)}
 
 
 def random_dit_like(dit, seed: int):
@@ -269,6 +288,9 @@ def _label(given: bool, kind: str) -> str:
 
 
 def _line(s: dict[str, Any]) -> str:
-    return " ".join(f"{k.removesuffix('_pct')} {s[k]}" for k in ("found_pct", "colour_pct", "shape_pct",
-                                                                  "direction_pct", "speed_pct", "consistency_pct")) \
-        + f" bgPSNR {s['background_psnr_db']}"
+    line = " ".join(f"{k.removesuffix('_pct')} {s[k]}" for k in ("found_pct", "colour_pct", "shape_pct",
+                                                                  "direction_pct", "speed_pct", "consistency_pct"))
+    line += f" bgPSNR {s['background_psnr_db']}"
+    if s.get("shape_by_named"):
+        line += " shapes " + ", ".join(f"{k} {v['right']}/{v['clips']}" for k, v in s["shape_by_named"].items())
+    return line
