@@ -276,8 +276,15 @@ def summary_lines(out: Path) -> list[str]:
             lines.append(f"  {r['preset']:<22} {r['model']:<11} {r['first_block']:<9} "
                          f"{'no past' if r['no_past'] else 'cache':<8} {m['found_pct']} / {m['colour_pct']} / "
                          f"{m['shape_pct']} / {m['direction_pct']} / {m['consistency_pct']}, "
-                         f"{m['background_psnr_db']}")
+                         f"{m['background_psnr_db']}" + _shapes(m))
     return lines
+
+
+def _shapes(summary: dict) -> str:
+    """`; shapes circle 6/7, square 0/10, ...`: each named shape's clips read as it (`shape_by_named`; evals before
+    2026-12-06 have none)."""
+    table = summary.get("shape_by_named") or {}
+    return "; shapes " + ", ".join(f"{k} {v['right']}/{v['clips']}" for k, v in table.items()) if table else ""
 
 
 def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 
 import pytest
@@ -51,6 +52,8 @@ def test_both_lanes_train_every_stage_then_eval_and_release(run):
     for line in ("video/vae: 16 steps", "video/distill:", "audio/sat:", "audio/aar:", "rollouts_no_past adherence",
                  "video/eval: VAE", "random DiT", "video: ok", "audio: ok"):
         assert line in summary, line
+    # the one held-out prompt names a cross: each eval row says whether the rollout drew one
+    assert re.search(r"(?m)^  causvid .*; shapes cross [01]/1$", summary)
 
 
 def test_a_rerun_with_the_same_settings_skips_what_is_done(run, capsys):
