@@ -243,6 +243,8 @@ def _loss(rec: dict) -> str:
 
 def summary_lines(out: Path) -> list[str]:
     """The headline of every finished step, one line each (what a GPU session's last call prints)."""
+    from mmkv.pipelines.wan.evaluate import shapes_text
+
     lines = []
     for lane in LANES:
         for stage in STAGES[lane]:
@@ -276,15 +278,8 @@ def summary_lines(out: Path) -> list[str]:
             lines.append(f"  {r['preset']:<22} {r['model']:<11} {r['first_block']:<9} "
                          f"{'no past' if r['no_past'] else 'cache':<8} {m['found_pct']} / {m['colour_pct']} / "
                          f"{m['shape_pct']} / {m['direction_pct']} / {m['consistency_pct']}, "
-                         f"{m['background_psnr_db']}" + _shapes(m))
+                         f"{m['background_psnr_db']}" + (f"; shapes {shapes_text(m)}" if shapes_text(m) else ""))
     return lines
-
-
-def _shapes(summary: dict) -> str:
-    """`; shapes circle 6/7, square 0/10, ...`: each named shape's clips read as it (`shape_by_named`; evals before
-    2026-12-06 have none)."""
-    table = summary.get("shape_by_named") or {}
-    return "; shapes " + ", ".join(f"{k} {v['right']}/{v['clips']}" for k, v in table.items()) if table else ""
 
 
 def replay_pins(run: Path, plan: dict, lanes: list[str]) -> dict[str, list[str]]:

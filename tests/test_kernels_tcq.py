@@ -237,7 +237,7 @@ def test_fused_finish_packs_the_reference_codes_and_its_gains(preset, d, heads, 
     ker = K["tcq_encode"].encode(codec, x, fused=True)
     assert list(ker.tensors) == list(ref.tensors) == ["code", "gain"]
     assert torch.equal(ker.tensors["code"], ref.tensors["code"])
-    if d < 128:  # the unfused path's search at d = 128 is test_viterbi_kernel_finds_the_reference_codes's (half the time)
+    if d < 128:  # at d = 128 the unfused path's search is the Viterbi test's (this case's time halved)
         plain = K["tcq_encode"].encode(codec, x, fused=False)
         assert torch.equal(plain.tensors["code"], ref.tensors["code"])
         assert torch.equal(plain.tensors["gain"], ref.tensors["gain"])

@@ -292,5 +292,10 @@ def _line(s: dict[str, Any]) -> str:
                                                                   "direction_pct", "speed_pct", "consistency_pct"))
     line += f" bgPSNR {s['background_psnr_db']}"
     if s.get("shape_by_named"):
-        line += " shapes " + ", ".join(f"{k} {v['right']}/{v['clips']}" for k, v in s["shape_by_named"].items())
+        line += " shapes " + shapes_text(s)
     return line
+
+
+def shapes_text(summary: dict[str, Any]) -> str:
+    """`circle 6/7, cross 6/10, ...`: each named shape's clips read as it (`shape_by_named`; "" without one)."""
+    return ", ".join(f"{k} {v['right']}/{v['clips']}" for k, v in (summary.get("shape_by_named") or {}).items())
