@@ -21,7 +21,9 @@ run's outputs (weights only, each stage with a new seed, as `--init` does): the 
 the repository keeps in `mmkv/assets/video/` with its `train.json` (docs/decisions.md, "Trained weights are
 committed at the end of every session that trains them"), is such an init. Seeds: stage k of a lane draws with
 `--seed + k`. `--start-at dit,aar` (or `sat`) trains a lane's later stages only, the earlier stages' models taken
-from its init as they are, so that a run fits one 10-minute device call (docs/training.md, "One run a device call").
+from its init as they are, so that a run fits one 10-minute device call (docs/training.md, "One run a device call");
+`--start-at distill` distils a `dit` output (the init, its teacher), so that a DiT trained for a whole call
+(`--stop-after dit`) is distilled by a second run in the next.
 `--stop-after vae --vae-decoder-only` fine-tunes the video init's VAE decoder alone and scores the init's DiT with
 it (`DIR/video/vae/release/`, a set `mmkv ship video` takes); `--stop-after dit` scores the teacher.
 """
@@ -47,9 +49,9 @@ STAGES = {"video": ("vae", "dit", "distill"), "audio": ("clap", "sat", "aar")}
 # The stages whose output holds every model of the lane, so that each stage can continue from it.
 INIT_STAGES = {"video": ("dit", "distill"), "audio": ("aar",)}  # (an audio release with its training state: aar)
 # `--start-at`: the stages a lane may start from, taking the earlier stages' models from its init as they are (an
-# init holds every model of its lane). Distillation is not one: it needs a teacher, and a distill output holds the
-# student.
-START_AT = {"video": ("dit",), "audio": ("sat", "aar")}
+# init holds every model of its lane). Distillation starts only from a `dit` output, its teacher (a distill output
+# holds a student): a DiT trained for one device call (`--stop-after dit`) is distilled in the next.
+START_AT = {"video": ("dit", "distill"), "audio": ("sat", "aar")}
 # `--stop-after`: the stages a lane may end with, its eval scoring that stage's release: the teacher (`dit`), or a
 # decoder-only `vae` stage's (the init's DiT with the new decoder, `VAE_RELEASE` in the stage's folder).
 STOP_AFTER = {"video": ("vae", "dit")}
@@ -102,11 +104,17 @@ def _stage_per_lane(flag: str, text: str | None, table: dict[str, tuple[str, ...
 
 def parse_start_at(text: str | None, inits: dict[str, str | None], lanes: list[str]) -> dict[str, str]:
     """`--start-at STAGE[,STAGE]`: {lane: the stage it starts from}, for the lanes that skip their first stages."""
-    start = _stage_per_lane("--start-at", text, START_AT, lanes,
-                            "a lane's first stage needs no --start-at; distill needs its teacher's run")
+    start = _stage_per_lane("--start-at", text, START_AT, lanes, "a lane's first stage needs no --start-at")
     for lane, stage in start.items():
         if inits.get(lane) is None:
             raise ValueError(f"--start-at {stage}: the {lane} lane's earlier stages come from --{lane}-init; give it")
+        if stage == "distill":
+            record = Path(inits[lane]) / "train.json"
+            made = json.loads(record.read_text()).get("stage") if record.is_file() else None
+            if made != "dit":
+                raise ValueError(f"--start-at distill: --video-init {inits[lane]} is "
+                                 f"{'no stage output' if made is None else f'a {made!r} output'}; the distillation "
+                                 "needs its teacher, a dit output (DIR/video/dit of a --stop-after dit run)")
     return start
 
 
@@ -488,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
     args.start_at_lanes = parse_start_at(getattr(args, "start_at", None),
                                          {lane: getattr(args, f"{lane}_init") for lane in LANES}, lanes)
     if getattr(args, "vae_decoder_only", False) and "video" in args.start_at_lanes:
-        raise ValueError("--vae-decoder-only trains the vae stage, which --start-at dit skips; give one of them")
+        raise ValueError(f"--vae-decoder-only trains the vae stage, which --start-at {args.start_at_lanes['video']} "
+                         "skips; give one of them")
     args.stop_after_lanes = parse_stop_after(getattr(args, "stop_after", None), lanes, args.start_at_lanes,
                                              getattr(args, "vae_decoder_only", False))
     parse_shares(args.shares, args.start_at_lanes, args.stop_after_lanes)

@@ -365,7 +365,8 @@ def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, tmp_path,
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--start-at", "distill"], "--start-at 'distill': expected one of dit, sat, aar"),
+    (["--start-at", "vae"], "--start-at 'vae': expected one of dit, distill, sat, aar"),
+    (["--start-at", "distill"], "the video lane's earlier stages come from --video-init"),
     (["--start-at", "dit"], "the video lane's earlier stages come from --video-init"),
     (["--start-at", "sat,aar", "--audio-init", "x"], "names two audio stages (sat, aar)"),
     (["--start-at", "dit", "--lanes", "audio"], "the video lane is not run"),
@@ -373,6 +374,28 @@ def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, tmp_path,
 def test_start_at_names_what_it_needs(tmp_path, capsys, extra, match):
     assert main(_argv(tmp_path / "x", *extra)) == 2
     assert match in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_start_at_distill_distils_a_dit_output_and_nothing_else(run, tmp_path, capsys):
+    """`--start-at distill`: a DiT trained for one device call (`--stop-after dit`) distilled by a run of its own in
+    the next, its init the teacher; a distill output (a student) is refused."""
+    student = run / "video" / "distill"
+    argv = _argv(tmp_path / "no", "--lanes", "video", "--start-at", "distill", "--video-init", student)
+    assert main(argv) == 2 and not (tmp_path / "no").exists()
+    assert "is a 'distill' output; the distillation needs its teacher, a dit output" in capsys.readouterr().err
+    teacher, out = run / "video" / "dit", tmp_path / "d"
+    argv = _argv(out, "--lanes", "video", "--start-at", "distill", "--video-init", teacher, "--eval-prompts", 0)
+    assert main(argv) == 0
+    assert sorted(p.name for p in (out / "video").iterdir() if p.is_dir()) == ["distill"]
+    rec = json.loads((out / "video" / "distill" / "train.json").read_text())
+    assert rec["source"] == str(teacher) and rec["init"] is None and rec["seed"] == 2
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["start_at"] == {"video": "distill"} and plan["inits"]["video"]["folder"] == str(teacher.resolve())
+    assert train_all.replay_pins(out, plan, ["video"]).keys() == {"distill"}
+    # its replay distils the same teacher into the same student (the CPU's kernels are deterministic)
+    assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(out), "--device", "cpu"]) == 0
+    model = "video/distill/causvid/model.pt"
+    assert (tmp_path / "r" / model).read_bytes() == (out / model).read_bytes()
 
 
 def test_start_at_shares_the_budget_among_the_stages_it_trains(run, tmp_path, capsys):
