@@ -759,3 +759,33 @@ def test_a_deterministic_stage_records_it_and_trains_the_same_weights_on_the_cpu
     assert "deterministic" not in json.loads((root / "vae" / "train.json").read_text())
     made = sorted(p.relative_to(tmp_path / "vae") for p in (tmp_path / "vae").rglob("*.safetensors"))
     assert made and all((tmp_path / "vae" / p).read_bytes() == (root / "vae" / p).read_bytes() for p in made)
+
+
+def test_dit_compile_compiles_the_trained_blocks_and_releases_the_uncompiled_ema(stages, tmp_path, monkeypatch):
+    """`dit_compile`: the dit stage's DiT and the distillation's student train with each transformer block compiled
+    in place, after their EMA copies are made, so that what a release writes is never a compiled module. Compiling
+    takes half a minute on the CPU, so `nn.Module.compile` is replaced here by a recorder that marks the block."""
+    from mmkv.pipelines.wan import distill, release
+
+    compiled = []
+
+    def record(self, *args, **kwargs):
+        self.marked_compiled = True
+        compiled.append(self)
+
+    released = []
+
+    def write(out, cfg, *, dit, **kwargs):
+        released.append([getattr(b, "marked_compiled", False) for b in dit.transformer.blocks])
+        return release.write_release(out, cfg, dit=dit, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", record)
+    monkeypatch.setattr(train, "write_release", write)
+    monkeypatch.setattr(distill, "write_release", write)
+    root = stages[0]
+    _run("dit", tmp_path / "plain", root / "vae", steps=2)
+    assert compiled == [] and released == [[False]]  # off by default
+    rec = _run("dit", tmp_path / "dit", root / "vae", steps=2, overrides=["dit_compile=true"])
+    assert rec["config"]["dit_compile"] is True and len(compiled) == 1 and released[-1] == [False]
+    _run("distill", tmp_path / "distill", tmp_path / "dit", steps=2, overrides=["dit_compile=true"])
+    assert len(compiled) == 2 and released[-1] == [False]

@@ -18,7 +18,8 @@ from mmkv.pipelines.wan import scenes
 from mmkv.pipelines.wan.loop import get_preset
 from mmkv.pipelines.wan.release import note_release_size, write_release
 from mmkv.pipelines.wan.train import (
-    VideoTrainConfig, _load_release, shifted_sigmas, teacher_forced_flow, text_states, tokenize, training_seeds,
+    VideoTrainConfig, _load_release, compile_blocks, shifted_sigmas, teacher_forced_flow, text_states, tokenize,
+    training_seeds,
 )
 from mmkv.pipelines.wan.model import TeacherForcing
 
@@ -189,6 +190,7 @@ def distill(cfg: VideoTrainConfig, dit_folder: Path, out: Path, *, device: torch
     student = (teacher if init is None else _load_release(init, device)[1]).train().requires_grad_(True)
     student.state.cache_cross_attn = False
     ema = frozen_copy(student)
+    compile_blocks(student, cfg.dit_compile)
     tpf = student.tokens_per_frame(shape[1], shape[2])
     patterns = {fpb: TeacherForcing(f, fpb, tpf) for fpb in trajectories}
     train_gen = torch.Generator().manual_seed(seed + 22)
