@@ -391,11 +391,10 @@ def test_start_at_distill_distils_a_dit_output_and_nothing_else(run, tmp_path, c
     assert rec["source"] == str(teacher) and rec["init"] is None and rec["seed"] == 2
     plan = json.loads((out / "plan.json").read_text())
     assert plan["start_at"] == {"video": "distill"} and plan["inits"]["video"]["folder"] == str(teacher.resolve())
-    assert train_all.replay_pins(out, plan, ["video"]).keys() == {"distill"}
-    # its replay distils the same teacher into the same student (the CPU's kernels are deterministic)
-    assert main(["train", "all", "--out", str(tmp_path / "r"), "--replay", str(out), "--device", "cpu"]) == 0
-    model = "video/distill/causvid/model.pt"
-    assert (tmp_path / "r" / model).read_bytes() == (out / model).read_bytes()
+    # a replay pins the distillation alone (test_a_replay_pins_every_stage_to_what_the_run_trained replays one)
+    pins = train_all.replay_pins(out, plan, ["video"])
+    made = rec["ode_trajectories"]["3-frame blocks"]
+    assert pins.keys() == {"distill"} and f"ode_chunk_trajectories={made}" in pins["distill"]
 
 
 def test_start_at_shares_the_budget_among_the_stages_it_trains(run, tmp_path, capsys):
