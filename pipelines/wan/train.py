@@ -147,8 +147,8 @@ class VideoTrainConfig:
     teacher_eval: int = 0
     # Train the DiT (the `dit` stage's, the distillation's student) with each transformer block compiled in place
     # (`torch.compile`, one graph a block and batch shape, reused by every layer): a teacher-forced step is bound by
-    # its elementwise passes, which the compiler fuses. The first step of each shape pays the compilation (33 s for a
-    # whole-clip step on a 2-core CPU, whose steps it made 1.8x faster; docs/training.md, "What a DiT step costs").
+    # its elementwise passes, which the compiler fuses. The first step of each shape pays the compilation (18-49 s on
+    # an H100, whose deterministic whole-clip steps it made 3.5x faster; docs/training.md, "What a DiT step costs").
     dit_compile: bool = False
 
     def to_dict(self) -> dict[str, Any]:
