@@ -274,6 +274,13 @@ def deterministic_kernels(on: bool, cuda: bool = True) -> list[str]:
         torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic = on
     torch.backends.cudnn.benchmark = not on  # autotuning picks kernels by timing, which differs run to run
+    # The same for compiled code (`dit_compile`): inductor times a reduction's candidate configs on the device and
+    # keeps the fastest, so two processes compiling one graph may sum in other orders. On an H100 on 2026-12-07 the
+    # same ten compiled steps gave the same weights three times in a process and other weights in a second process
+    # (docs/training.md, "What a DiT step costs"); its deterministic mode skips those timings.
+    import torch._inductor.config as inductor
+
+    inductor.deterministic = on
     # Attention on the math path alone: with warn_only, the cuDNN, memory-efficient and flash kernels run their
     # non-deterministic backward passes (torch warns "... defaults to a non-deterministic algorithm"; flash has a
     # deterministic mode only without warn_only). On the H200 on 2026-12-04, replays with cuDNN's attention, then

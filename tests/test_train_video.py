@@ -714,8 +714,8 @@ def test_dit_stage_deepens_its_init_and_the_release_says_so(stages, tmp_path):
 
 
 def test_deterministic_kernels_name_the_ops_without_one_and_switch_back():
-    """`--deterministic`: torch's deterministic algorithms on (warn-only), cuDNN without autotuning; an op that warns
-    it has no deterministic kernel is collected once, by name; off again restores the defaults."""
+    """`--deterministic`: torch's deterministic algorithms on (warn-only), cuDNN and inductor without autotuning; an
+    op that warns it has no deterministic kernel is collected once, by name; off again restores the defaults."""
     import warnings
 
     from mmkv.pipelines.training import deterministic_kernels
@@ -725,6 +725,9 @@ def test_deterministic_kernels_name_the_ops_without_one_and_switch_back():
         seen = deterministic_kernels(True)
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
         assert not torch.backends.cudnn.benchmark
+        import torch._inductor.config as inductor
+
+        assert inductor.deterministic  # compiled blocks: no config chosen by timing it
         # attention on the math path alone: the fused kernels' backward passes are not deterministic under warn_only
         assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
         assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
@@ -738,6 +741,7 @@ def test_deterministic_kernels_name_the_ops_without_one_and_switch_back():
     finally:
         deterministic_kernels(False)
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    assert not inductor.deterministic
     assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled()
 

@@ -149,6 +149,8 @@ class VideoTrainConfig:
     # (`torch.compile`, one graph a block and batch shape, reused by every layer): a teacher-forced step is bound by
     # its elementwise passes, which the compiler fuses. The first step of each shape pays the compilation (18-49 s on
     # an H100, whose deterministic whole-clip steps it made 3.5x faster; docs/training.md, "What a DiT step costs").
+    # Two processes compiling the blocks trained different weights there; `--deterministic` now sets inductor's
+    # deterministic mode, not yet shown to make them agree, so a run that is to replay byte for byte trains eager.
     dit_compile: bool = False
 
     def to_dict(self) -> dict[str, Any]:
