@@ -277,7 +277,9 @@ def deterministic_kernels(on: bool, cuda: bool = True) -> list[str]:
     # The same for compiled code (`dit_compile`): inductor times a reduction's candidate configs on the device and
     # keeps the fastest, so two processes compiling one graph may sum in other orders. On an H100 on 2026-12-07 the
     # same ten compiled steps gave the same weights three times in a process and other weights in a second process
-    # (docs/training.md, "What a DiT step costs"); its deterministic mode skips those timings.
+    # (docs/training.md, "What a DiT step costs"). Its deterministic mode skips those timings, but two processes
+    # still trained other weights with it on (the same probe, 2026-12-07), so `mmkv train video` refuses
+    # `dit_compile` with `--deterministic`; the mode stays on for any other compiled code.
     import torch._inductor.config as inductor
 
     inductor.deterministic = on

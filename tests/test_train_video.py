@@ -793,3 +793,10 @@ def test_dit_compile_compiles_the_trained_blocks_and_releases_the_uncompiled_ema
     assert rec["config"]["dit_compile"] is True and len(compiled) == 1 and released[-1] == [False]
     _run("distill", tmp_path / "distill", tmp_path / "dit", steps=2, overrides=["dit_compile=true"])
     assert len(compiled) == 2 and released[-1] == [False]
+    # compiled blocks do not replay across processes, so a deterministic run refuses them before writing anything
+    ns = argparse.Namespace(stage="dit", config="micro", source=str(root / "vae"), out=str(tmp_path / "det"), seed=0,
+                            budget=None, steps=2, device="cpu", init=None, decoder_only=False,
+                            overrides=["dit_compile=true"], deterministic=True)
+    with pytest.raises(ValueError, match="dit_compile=true with --deterministic: .*trains eager"):
+        train.run(ns)
+    assert len(compiled) == 2 and not (tmp_path / "det").exists()

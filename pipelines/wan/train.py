@@ -149,8 +149,8 @@ class VideoTrainConfig:
     # (`torch.compile`, one graph a block and batch shape, reused by every layer): a teacher-forced step is bound by
     # its elementwise passes, which the compiler fuses. The first step of each shape pays the compilation (18-49 s on
     # an H100, whose deterministic whole-clip steps it made 3.5x faster; docs/training.md, "What a DiT step costs").
-    # Two processes compiling the blocks trained different weights there; `--deterministic` now sets inductor's
-    # deterministic mode, not yet shown to make them agree, so a run that is to replay byte for byte trains eager.
+    # Two processes compiling the blocks trained different weights there, with inductor's deterministic mode too
+    # (docs/training.md, "What a DiT step costs"), so `--deterministic` refuses it: a replayable run trains eager.
     dit_compile: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -755,6 +755,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides[{"vae": "vae_steps", "dit": "dit_steps", "distill": "distill_steps"}[args.stage]] = args.steps
     cfg = get_config(args.config, **overrides)
+    if cfg.dit_compile and getattr(args, "deterministic", False):
+        raise ValueError("dit_compile=true with --deterministic: compiled blocks train other weights in another "
+                         "process even in inductor's deterministic mode; drop one of them (a run that is to replay "
+                         "trains eager)")
     # A dit or distill output holds the VAE it was trained on (base/vae): the vae stage may continue from it.
     # A distill output holds a DiT too (the student, a close init for more teacher-forced steps).
     st = start_stage(args, first_stage="vae", init_from={"vae": STAGES, "dit": ("dit", "distill")})
