@@ -131,6 +131,26 @@ def test_loaded_vae_convolves_through_onednn_on_the_cpu_and_agrees_with_the_defa
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_loaded_vae_takes_its_rms_norms_as_a_sum_of_squares_on_the_cpu(files):
+    """The loader's VAE computes each RMS norm's channel norm as the square root of a sum of squares on the CPU
+    (float32, no autograd; `cpu_vae_paths_`): within float32 rounding of diffusers' `F.normalize`, and diffusers'
+    own code exactly with autograd on."""
+    comps = load_wan(files["cf_ema"], files["diffusers"], device="cpu")
+    norms = [m for m in comps.vae.modules() if type(m).__name__ == "WanRMS_norm"]
+    assert norms and all("forward" in vars(m) for m in norms)
+    norm = next(m for m in norms if m.channel_first)
+    with torch.no_grad():
+        norm.gamma.copy_(torch.linspace(0.5, 1.5, norm.gamma.numel()).view_as(norm.gamma))
+    x = torch.randn(1, norm.gamma.shape[0], 3, 5, 7, generator=torch.Generator().manual_seed(3)) * 4
+    x[0, :, 0, 0, 0] = 0.0  # an all-zero channel vector: eps, not a division by zero
+    with torch.no_grad():
+        fast, want = norm(x), type(norm).forward(norm, x)
+    assert not torch.isnan(fast).any()
+    torch.testing.assert_close(fast, want, rtol=1e-6, atol=1e-6)
+    with torch.enable_grad():
+        assert torch.equal(norm(x), type(norm).forward(norm, x))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Bad input
 

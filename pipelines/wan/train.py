@@ -633,10 +633,10 @@ def _load_vae(folder: Path, device: torch.device):
     if not (vae_dir / "config.json").is_file():
         raise FileNotFoundError(f"{folder} holds no trained VAE (vae/config.json or base/vae/config.json); run "
                                 "`mmkv train video --stage vae` first")
-    from mmkv.pipelines.wan.loaders import onednn_conv3d_
+    from mmkv.pipelines.wan.loaders import cpu_vae_paths_
 
     vae = AutoencoderKLWan.from_pretrained(vae_dir, torch_dtype=torch.float32, local_files_only=True)
-    return onednn_conv3d_(vae.to(device).eval())
+    return cpu_vae_paths_(vae.to(device).eval())
 
 
 def _load_release(folder: Path, device: torch.device):
