@@ -19,8 +19,9 @@ On one thread the CausVid run took 108 s (5-6 s a rollout, 3.3 s of it the VAE d
 bits and 25 s at 4 bits). Before the VAE's convolutions went through oneDNN
 (`mmkv.pipelines.wan.loaders.onednn_conv3d_`) and the TCQ rows to fewer trellis states (`TCQ` below), the same demo
 took 281 s on one thread. Its RMS norms as a sum of squares (`mmkv.pipelines.wan.loaders.cpu_vae_paths_`) took the
-decode from 2.5 to 1.85 s on one thread (2026-12-07, DEMO_VERSION 5). With the fifth run's audio models beside it (`mmkv ship audio` into a temporary
-`mmkv/assets/audio/`), the whole demo took 151 s: CausVid 79 s, frame-wise 15 s, `compare audio` 36 s, report 15 s.
+decode from 2.5 to 1.85 s on one thread (2026-12-07, DEMO_VERSION 5). With the fifth run's audio models beside it
+(`mmkv ship audio` into a temporary `mmkv/assets/audio/`), the whole demo took 151 s: CausVid 79 s, frame-wise
+15 s, `compare audio` 36 s, report 15 s.
 With the nineteenth run's 6-layer DiT (and the shipped audio set) the CausVid run took 126 s on two threads and the
 demo 185 s; as two single-threaded rank processes, one prompt each (`_mmkv_ranks`), the CausVid run took 101 s.
 

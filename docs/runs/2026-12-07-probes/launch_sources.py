@@ -1,6 +1,7 @@
 """Where the frame-wise loop's extra launches and memsets come from: one profiled rollout per codec, each CUDA runtime
 call attributed to its aten op chain (docs/perf.md, run AD). On a CUDA machine with mmkv installed, from another
-folder than the checkout: `FRAMES=6 python launch_sources.py none "kivi:bits=2,group=32"` (JSON into $OUT or /tmp)."""
+folder than the checkout: `FRAMES=6 python launch_sources.py none "kivi:bits=2,group=32"` (launch_sources.json
+into $OUT or /tmp)."""
 import collections, json, os, sys, time
 import torch
 from mmkv.bench.video import _model
@@ -39,7 +40,8 @@ for codec in codecs:
             if not p.name.startswith("cuda"):
                 chain.append(p.name)
             if stack is None and p.stack:
-                stack = [f for f in p.stack if ("mmkv" in f or "pipelines" in f or "kernels" in f) and "profiler" not in f]
+                stack = [f for f in p.stack
+                         if ("mmkv" in f or "pipelines" in f or "kernels" in f) and "profiler" not in f]
             p = p.cpu_parent
         src = " <- ".join((stack or [])[:3])
         by[(kind, " > ".join(reversed(chain[:3])), src)] += 1
@@ -48,7 +50,7 @@ for codec in codecs:
     print(f"== {codec}: wall {wall:.2f} s, {dict(kinds)}", flush=True)
     for r in rows[:int(os.environ.get("SHOW", "25"))]:
         print(f"{r['n']:6d} {r['kind']:6s} {r['ops'][:90]}\n        {r['src'][:220]}", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "memset.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "launch_sources.json"), "w") as f:
         json.dump(out, f, indent=1)
 if len(codecs) == 2:
     a = {(r["kind"], r["ops"]): r["n"] for r in out[str(codecs[0])]["top"]}
