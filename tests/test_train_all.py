@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,10 +24,48 @@ def _argv(out, *extra):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def one_thread_a_process():
+    """One torch thread in each stage process this module starts (OMP_NUM_THREADS, read at torch's start): a run
+    trains its two lanes side by side and `later` two runs, on the 2-core CI machine, where processes of two threads
+    each oversubscribe the cores and OpenMP's spinning waits slow every one (two evals side by side: 30 s each,
+    against 12 s alone; `run` 60 -> 47 s). The thread count may move the stages' last digits, which no test here
+    reads against fixed numbers."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.setenv("MKL_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, one_thread_a_process):
     out = tmp_path_factory.mktemp("train_all") / "run"
     assert main(_argv(out)) == 0
     return out
+
+
+# The runs that continue `run` (inits from it, copies of it cut or killed by hand), each the subject of one test:
+# name -> (job(run, folder) -> what its test reads, its stage processes one after another). `later` trains them.
+LATER = {}
+
+
+def _later(processes):
+    def register(job):
+        LATER[job.__name__.lstrip("_")] = job, processes
+        return job
+    return register
+
+
+@pytest.fixture(scope="module")
+def later(run, tmp_path_factory):
+    """The `LATER` runs, two at a time, the longest first; {name: its finished future}. They start 13 stage processes
+    (~10 s each, mostly imports, one torch thread), and one run at a time leaves the 2-core CI machine's other core
+    idle: ~130 s one after another, ~70 s so. A job only reads `run` and writes its own folder; its test reads its
+    outputs (`.result()` re-raises what the job raised, in that test)."""
+    root = tmp_path_factory.mktemp("later")
+    longest_first = sorted(LATER.items(), key=lambda item: -item[1][1])
+    with ThreadPoolExecutor(max_workers=2) as pool:  # at most three stage processes (~1 GB each) at once
+        jobs = {name: pool.submit(job, run, root / name) for name, (job, _) in longest_first}
+    return jobs  # leaving the pool waited for every job
 
 
 def _mtimes(root):  # the outputs (not the logs, nor summary.txt, which every run rewrites)
@@ -63,13 +102,19 @@ def test_a_rerun_with_the_same_settings_skips_what_is_done(run, capsys):
     assert capsys.readouterr().out.count("done already") == 8  # 3 + eval, 3 + release
 
 
-def test_a_killed_stage_is_trained_again_with_every_step_after_it(run, tmp_path):
-    copy = tmp_path / "run"
+@_later(2)
+def _killed(run, folder):
+    copy = folder / "run"
     shutil.copytree(run, copy)
     (copy / "video" / "distill" / "train.json").unlink()  # as a stage killed before its end leaves its folder
     (copy / "video" / "distill" / "stale").write_text("left by the killed run")
     before = _mtimes(copy)
-    assert main(_argv(copy)) == 0
+    return copy, before, main(_argv(copy))
+
+
+def test_a_killed_stage_is_trained_again_with_every_step_after_it(later):
+    copy, before, code = later["killed"].result()
+    assert code == 0
     after = _mtimes(copy)
     assert not (copy / "video" / "distill" / "stale").exists()
     assert (copy / "video" / "distill" / "train.json").is_file()
@@ -162,16 +207,23 @@ def test_vae_decoder_only_reaches_the_vae_stage_alone_and_needs_a_video_init(run
     assert not (tmp_path / "z").exists()
 
 
-def test_stop_after_vae_scores_and_ships_the_inits_dit_with_a_fine_tuned_decoder(run, tmp_path, capsys):
+@_later(2)
+def _decoder_only(run, folder):
+    out = folder / "dec"
+    argv = ["train", "all", "--out", str(out), "--config", "micro", "--device", "cpu", "--eval-prompts", "1",
+            "--lanes", "video", "--video-init", str(run / "video" / "distill"), "--vae-decoder-only", "--stop-after",
+            "vae"]
+    return out, argv, main(argv)
+
+
+def test_stop_after_vae_scores_and_ships_the_inits_dit_with_a_fine_tuned_decoder(run, later, tmp_path, capsys):
     """`--vae-decoder-only --stop-after vae`: the decoder alone trains; the encoder (so the latents the DiT learned)
     and the DiT are the init's, and the stage's release pairs them with the new decoder for the eval and `ship`."""
     from safetensors.torch import load_file
 
     init = run / "video" / "distill"
-    out = tmp_path / "dec"
-    argv = ["train", "all", "--out", str(out), "--config", "micro", "--device", "cpu", "--eval-prompts", "1",
-            "--lanes", "video", "--video-init", str(init), "--vae-decoder-only", "--stop-after", "vae"]
-    assert main(argv) == 0
+    out, argv, code = later["decoder_only"].result()
+    assert code == 0
     assert sorted(p.name for p in (out / "video").iterdir() if p.is_dir()) == ["vae"]
     release = out / "video" / "vae" / "release"
     assert (release / "causvid" / "model.pt").read_bytes() == (init / "causvid" / "model.pt").read_bytes()
@@ -224,32 +276,41 @@ def test_stop_after_names_what_it_needs(tmp_path, capsys, extra, match):
     assert match in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_a_replay_pins_every_stage_to_what_the_run_trained(run, tmp_path):
-    """`--replay`: a budgeted run's stages end where its clock cut them; the replay reads each stage's record and
-    trains exactly that (steps, DiT dataset, teacher trajectories of each kind), with no budget. Here the records of
-    a copy are cut by hand, as a budget would have cut them."""
-    copy = tmp_path / "cut"
+CUTS = {"vae": 4, "dit": 6, "distill": 5}
+# the budget's re-plans, which the learning-rate schedule followed (the dit record is one from before they were kept:
+# its final count alone is pinned)
+PLANS = {"vae": [[0, 9], [2, 6], [3, 4]], "distill": [[0, 5]]}
+
+
+@_later(4)
+def _replay(run, folder):
+    copy = folder / "cut"
     shutil.copytree(run, copy)
-    cuts = {"vae": 4, "dit": 6, "distill": 5}
-    # the budget's re-plans, which the learning-rate schedule followed (the dit record is one from before they were
-    # kept: its final count alone is pinned)
-    plans = {"vae": [[0, 9], [2, 6], [3, 4]], "distill": [[0, 5]]}
-    for stage, steps in cuts.items():
+    for stage, steps in CUTS.items():
         path = copy / "video" / stage / "train.json"
         rec = json.loads(path.read_text())
         rec["steps"] = steps
         rec.pop("step_plan")
-        if stage in plans:
-            rec["step_plan"] = plans[stage]
+        if stage in PLANS:
+            rec["step_plan"] = PLANS[stage]
         if stage == "distill":
             rec["ode_trajectories"] = {"3-frame blocks": 2, "1-frame blocks": 0}
         path.write_text(json.dumps(rec))
-    out = tmp_path / "replay"
-    assert main(["train", "all", "--out", str(out), "--replay", str(copy), "--lanes", "video", "--device", "cpu"]) == 0
-    for stage, steps in cuts.items():
+    out = folder / "replay"
+    return copy, out, main(["train", "all", "--out", str(out), "--replay", str(copy), "--lanes", "video", "--device",
+                            "cpu"])
+
+
+def test_a_replay_pins_every_stage_to_what_the_run_trained(later):
+    """`--replay`: a budgeted run's stages end where its clock cut them; the replay reads each stage's record and
+    trains exactly that (steps, DiT dataset, teacher trajectories of each kind), with no budget. Here the records of
+    a copy are cut by hand (`_replay`: `CUTS`, `PLANS`), as a budget would have cut them."""
+    copy, out, code = later["replay"].result()
+    assert code == 0
+    for stage, steps in CUTS.items():
         rec = json.loads((out / "video" / stage / "train.json").read_text())
         assert rec["steps"] == steps and rec["budget_s"] is None
-        assert rec["step_plan"] == plans.get(stage, [[0, steps]])  # the run's re-plans, step for step
+        assert rec["step_plan"] == PLANS.get(stage, [[0, steps]])  # the run's re-plans, step for step
         assert rec["seed"] == train_all.STAGES["video"].index(stage)  # the run's seeds
     distill = json.loads((out / "video" / "distill" / "train.json").read_text())
     assert distill["ode_trajectories"] == {"3-frame blocks": 2}
@@ -340,14 +401,21 @@ def test_a_replay_takes_an_init_replayed_elsewhere_by_its_weights(run, tmp_path)
         replay(replayed)
 
 
-def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, tmp_path, capsys):
+@_later(2)
+def _start_at(run, folder):
+    out = folder / "later"
+    argv = _argv(out, "--video-init", run / "video" / "distill", "--audio-init", run / "audio" / "release",
+                 "--start-at", "dit,aar", "--eval-prompts", 0)
+    return out, argv, main(argv)
+
+
+def test_start_at_trains_a_lanes_later_stages_on_its_inits_models(run, later, capsys):
     """`--start-at dit,aar`: a run that fits one device call. The skipped stages' models come from the inits as they
     are (the dit stage reads its VAE from the video init, the aar stage its SAT and CLAP from the audio release),
     each trained stage keeps its seed, and the plan records the start so that a restart must give it again."""
     video, audio = run / "video" / "distill", run / "audio" / "release"
-    out = tmp_path / "later"
-    argv = _argv(out, "--video-init", video, "--audio-init", audio, "--start-at", "dit,aar", "--eval-prompts", 0)
-    assert main(argv) == 0
+    out, argv, code = later["start_at"].result()
+    assert code == 0
     assert sorted(p.name for p in (out / "video").iterdir() if p.is_dir()) == ["distill", "dit"]
     assert sorted(p.name for p in (out / "audio").iterdir() if p.is_dir()) == ["aar", "release"]
     dit = json.loads((out / "video" / "dit" / "train.json").read_text())
@@ -376,16 +444,23 @@ def test_start_at_names_what_it_needs(tmp_path, capsys, extra, match):
     assert match in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_start_at_distill_distils_a_dit_output_and_nothing_else(run, tmp_path, capsys):
+@_later(1)
+def _start_at_distill(run, folder):
+    out = folder / "d"
+    return out, main(_argv(out, "--lanes", "video", "--start-at", "distill", "--video-init", run / "video" / "dit",
+                           "--eval-prompts", 0))
+
+
+def test_start_at_distill_distils_a_dit_output_and_nothing_else(run, later, tmp_path, capsys):
     """`--start-at distill`: a DiT trained for one device call (`--stop-after dit`) distilled by a run of its own in
-    the next, its init the teacher; a distill output (a student) is refused."""
+    the next (`_start_at_distill`), its init the teacher; a distill output (a student) is refused."""
     student = run / "video" / "distill"
     argv = _argv(tmp_path / "no", "--lanes", "video", "--start-at", "distill", "--video-init", student)
     assert main(argv) == 2 and not (tmp_path / "no").exists()
     assert "is a 'distill' output; the distillation needs its teacher, a dit output" in capsys.readouterr().err
-    teacher, out = run / "video" / "dit", tmp_path / "d"
-    argv = _argv(out, "--lanes", "video", "--start-at", "distill", "--video-init", teacher, "--eval-prompts", 0)
-    assert main(argv) == 0
+    teacher = run / "video" / "dit"
+    out, code = later["start_at_distill"].result()
+    assert code == 0
     assert sorted(p.name for p in (out / "video").iterdir() if p.is_dir()) == ["distill"]
     rec = json.loads((out / "video" / "distill" / "train.json").read_text())
     assert rec["source"] == str(teacher) and rec["init"] is None and rec["seed"] == 2
