@@ -38,6 +38,8 @@ def test_refuses_without_cuda(capsys):
         pytest.skip("has CUDA")
     assert main(["bench", "video", "--frames", "3"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "video", "--tiny", "--cuda-graphs"]) == 2
+    assert "--cuda-graphs needs a CUDA GPU; run without --cuda-graphs on the CPU" in capsys.readouterr().err
 
 
 def test_profile_summary_counts_kernels_launches_and_syncs():
@@ -174,10 +176,14 @@ def test_a_failing_worker_is_reported_and_the_bench_goes_on():
     import argparse
 
     args = argparse.Namespace(model="causvid", frames="6", residual_window=1, latent_size=None, window=None, sink=0,
-                              tiny=True, full_warmup=False, no_merge=False, reuse_decoded=False, jobs=1)
+                              tiny=True, full_warmup=False, no_merge=False, reuse_decoded=False, jobs=1,
+                              cuda_graphs=False)
     lines = []
     assert video.precompile(args, ["no-such-codec:b=2"], log=lines.append) == ["no-such-codec:b=2"]
     assert "worker failed" in lines[0] and "no-such-codec" in lines[0] and "failed: no-such-codec:b=2" in lines[-1]
     argv = video.worker_argv(args, "kivi:bits=2,group=32")
     assert argv[1:6] == ["-m", "mmkv.cli", "bench", "video", "--warm-only"] and "--tiny" in argv
     assert argv[argv.index("--codecs") + 1] == "kivi:bits=2,group=32" and "--full-warmup" not in argv
+    assert "--cuda-graphs" not in argv  # a worker warms what the timed process runs: graphed calls when it graphs
+    args.cuda_graphs = True
+    assert "--cuda-graphs" in video.worker_argv(args, "kivi:bits=2,group=32")

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count-syncs", action="store_true",
                         help="also run one rollout per codec (largest frame count) under torch.cuda's sync debug mode "
                              "and report how many host syncs torch ops made, by source line (cheaper than --profile)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="run each block's denoising calls as a captured CUDA graph, the baseline's and every "
+                             "codec's (mmkv.pipelines.wan.graphs); each row then also runs one eager rollout and says "
+                             "whether the graphed rollout's latents equal it bit for bit (graphs_equal_eager)")
     parser.add_argument("--jobs", type=int, default=0, metavar="N",
                         help="first compile the kernels in N worker processes, one warm-up rollout of each codec on "
                              "every loop (Triton's on-disk cache), so that the timed process only loads them: a cold "
@@ -81,7 +85,7 @@ def worker_argv(args: argparse.Namespace, codec: str) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     for flag, on in (("--tiny", args.tiny), ("--full-warmup", args.full_warmup), ("--no-merge", args.no_merge),
-                     ("--reuse-decoded", args.reuse_decoded)):
+                     ("--reuse-decoded", args.reuse_decoded), ("--cuda-graphs", args.cuda_graphs)):
         if on:
             argv.append(flag)
     return argv
@@ -176,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if not cuda and not args.tiny:
         raise ValueError("mmkv bench video needs a CUDA GPU (the full-size 1.3B model in bf16); --tiny runs the tiny "
                          "DiT on the CPU")
+    if args.cuda_graphs and not cuda:
+        raise ValueError("mmkv bench video --cuda-graphs needs a CUDA GPU; run without --cuda-graphs on the CPU")
     h, w = _latent(args.latent_size, args.tiny)
     models, codecs, frame_counts = _models(args.model), _codecs(args.codecs), _frames(args.frames)
     if args.jobs < 0:
@@ -190,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    def one(preset, codec: str | None, frames: int) -> dict:
+    def one(preset, codec: str | None, frames: int, graphs: bool = args.cuda_graphs) -> dict:
         store = KVStore(CacheConfig(codec=codec, residual_window=args.residual_window,
                                     reuse_decoded=args.reuse_decoded, attention_window=args.window,
                                     sink_units=args.sink, merge_units=not args.no_merge), num_layers=layers,
@@ -202,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         before = torch.cuda.memory_allocated() if cuda else 0  # the model, the text context and the baseline latents
         t0 = time.perf_counter()
         with torch.no_grad(), store.attach(dit.transformer):
-            r = rollout(dit, preset, ctx, NoiseStream(0, 0), num_frames=frames, latent_height=h, latent_width=w)
+            r = rollout(dit, preset, ctx, NoiseStream(0, 0), num_frames=frames, latent_height=h, latent_width=w,
+                        cuda_graphs=graphs)
         sync()
         peak = torch.cuda.max_memory_allocated() if cuda else None
         # the store's figures, not the store: a held store (the bf16 baseline's 5.6 GiB) would inflate the next
@@ -210,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
         return {"seconds": time.perf_counter() - t0, "latents": r.latents.float(), "kv_bytes": store.nbytes(),
                 "bf16_kv_bytes": store.bf16_nbytes(), "kv_ratio": store.kv_ratio, "stats": store.stats(),
                 "peak_kv_bytes": store.peak_nbytes, "peak_cuda": peak,
-                "peak_cuda_over_model": None if peak is None else peak - before}
+                "peak_cuda_over_model": None if peak is None else peak - before,
+                "calls": r.calls, "graph_replays": r.graph_replays}
 
     if args.warm_only:  # a --jobs worker: each codec's warm-up rollout on every loop, nothing timed
         for name in models:
@@ -237,13 +245,19 @@ def run(args: argparse.Namespace) -> int:
                     res["warmup_s"], warm = warm, 0.0  # the warm-up is counted in the first frame count's row
                     res["warmup_frames"] = warm_frames
                     res["seconds"] = statistics.median(res["all_seconds"])
+                    if args.cuda_graphs:  # the same rollout without graphs: are the kernels' outputs the eager ones?
+                        eager = one(preset, codec, frames, graphs=False)["latents"]
+                        res["graphs_equal_eager"] = bool(torch.equal(eager, res["latents"]))
+                        del eager
                     del runs
                     if codec is None:
                         bases[frames] = res
                     rows.append(_row(preset.name, codec, frames, f"{h}x{w}", args, res, bases[frames]))
                     save_rows(args.json, rows)  # as each row lands: a call cut by its time limit keeps them
                     print(f"{preset.name} {rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
-                          f"x{rows[-1]['ratio_to_bf16']:.2f} (warm-up {res['warmup_s']:.1f} s)", flush=True)
+                          f"x{rows[-1]['ratio_to_bf16']:.2f} (warm-up {res['warmup_s']:.1f} s)"
+                          + (f"; {res['graph_replays']} of {res['calls']} calls replayed, equal to eager: "
+                             f"{res['graphs_equal_eager']}" if args.cuda_graphs else ""), flush=True)
                     del res
                 if args.count_syncs and cuda:
                     rows[-1]["syncs"] = count_syncs(lambda: one(preset, codec, frame_counts[-1]))
@@ -268,6 +282,12 @@ def run(args: argparse.Namespace) -> int:
              else f"{dev.type}, torch {torch.__version__}, tiny DiT")
     print(table(rows, f"{where}, {', '.join(models)}, latent {h}x{w}, window {args.window or 'global'}, "
                       f"sink {args.sink}; {time.perf_counter() - began:.0f} s in all"))
+    if args.cuda_graphs:
+        from mmkv.pipelines.wan.graphs import FAILED
+
+        reasons = sorted(set(FAILED.values()))
+        print(f"CUDA graph captures that failed (those calls ran eagerly): {len(FAILED)}"
+              + "".join(f"\n  {r[:300]}" for r in reasons[:5]))
     save_rows(args.json, rows)
     return 0
 
@@ -408,6 +428,8 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
         "peak_cuda_over_model_bytes": res["peak_cuda_over_model"],
         "bf16_kv_over_kvx": int(base["peak_kv_bytes"] / kvx) if kvx else None,
         "rel_latent_diff": round(err, 4), "bit_exact": bool((res["latents"] == base["latents"]).all()),
+        "cuda_graphs": bool(getattr(args, "cuda_graphs", False)), "calls": res.get("calls"),
+        "graph_replays": res.get("graph_replays"), "graphs_equal_eager": res.get("graphs_equal_eager"),
     }
 
 

@@ -370,7 +370,9 @@ class KVStore:
         layer = check_layer(layer, self.num_layers)
         st = self._layers[layer]
         where = f"KVStore.attend(layer={layer})"
-        self._checks.poll()
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # event queries, which a CUDA graph capture (pipelines/wan/graphs.py) refuses; the next call reads them
+            self._checks.poll()
         if (k_cur is None) != (v_cur is None):
             raise KVCacheError(f"{where}: give both k_cur and v_cur or neither")
         if k_cur is not None:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from mmkv.pipelines.common import NoiseStream
+from mmkv.pipelines.wan.graphs import BlockGraphs
 from mmkv.pipelines.wan.model import CausalWan
 
 
@@ -150,6 +151,7 @@ class RolloutResult:
     latents: torch.Tensor  # [B, F, C, H, W], model dtype
     block_seconds: list[float] = field(default_factory=list)
     calls: int = 0
+    graph_replays: int = 0  # denoising calls served by a block's CUDA graph (`cuda_graphs=True`)
 
 
 def rollout(
@@ -164,6 +166,7 @@ def rollout(
     batch_size: int = 1,
     on_block: Callable[[int, int], None] | None = None,
     prefix: torch.Tensor | None = None,
+    cuda_graphs: bool = False,
 ) -> RolloutResult:
     """Generate `num_frames` latent frames block by block. The caller attaches the KV store around this call.
 
@@ -173,6 +176,9 @@ def rollout(
     generated (Self-Forcing pipeline/causal_inference.py, `initial_latent`). The noise stream is consumed as if the
     given blocks were generated, so every later block sees the draws of a rollout without a prefix: a rollout whose
     prefix is its own first blocks repeats itself exactly.
+
+    `cuda_graphs` (CUDA only): a block's denoising calls run as one captured CUDA graph, replayed for each step
+    (`mmkv.pipelines.wan.graphs`: when a call runs eagerly instead, and why the outputs are the eager ones).
     """
     fpb = preset.frames_per_block
     if num_frames < 1 or num_frames % fpb:
@@ -185,6 +191,7 @@ def rollout(
     device, dtype = model.device, model.dtype
     shape = (batch_size, num_frames, model.in_channels, latent_height, latent_width)
     given = _check_prefix(prefix, shape, fpb)
+    graphs = BlockGraphs(model, context) if cuda_graphs else None
     model.reset()
     x_init = noise.randn(*shape, device=device, dtype=dtype)  # one draw for the whole video (CausVid, Causal Forcing)
     out = torch.empty(shape, device=device, dtype=dtype)
@@ -201,7 +208,10 @@ def rollout(
             block_steps = []
         x = x_init[:, s:s + fpb]
         for i, t in enumerate(block_steps):
-            flow = model(x, t, context, start_frame=s, mode="denoise")
+            if graphs is None:
+                flow = model(x, t, context, start_frame=s, mode="denoise")
+            else:
+                flow = graphs.denoise(x, t, s, steps_left=len(block_steps) - i)
             x0 = sched.flow_to_x0(flow, x, t)
             result.calls += 1
             if i + 1 < len(block_steps):
@@ -213,9 +223,13 @@ def rollout(
         result.calls += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if graphs is not None:
+            graphs.end_block()
         result.block_seconds.append(time.perf_counter() - t0)
         if on_block is not None:
             on_block(b, num_blocks)
+    if graphs is not None:
+        result.graph_replays = graphs.replayed
     return result
 
 

@@ -1,0 +1,152 @@
+"""CUDA graphs for a block's denoising calls: `rollout(..., cuda_graphs=True)`.
+
+Why. In the frame-wise loop (one 1,560-token latent frame a model call, 105 calls a 21-frame rollout) the GPU waits on
+the host at every layer, so the host's work a call is the rollout's time, and a codec's few extra launches and Python
+a layer show one for one in the wall time (docs/perf.md, runs AA, AC and AD). Within one block the denoising calls
+differ only in their input latents and timestep: the store is written by the commit pass alone, so every denoising
+call of a block reads the same stored tensors at the same addresses, with the same shapes. One capture records such a
+call's kernels; each later step replays them with one launch, and the host runs ahead to the next block while the GPU
+works. The kernels and their arguments are the eager call's, so the outputs should be the eager rollout's bit for
+bit; `mmkv bench video --cuda-graphs` checks that on every row (`graphs_equal_eager`).
+
+Rules, each for a reason:
+- The first call of a rollout runs eagerly: it fills the cross-attention K/V cache (`CausalState.cross_kv`) that
+  later calls read, and tensors made inside a capture hold nothing until a replay.
+- A call runs eagerly the first time this process meets its signature (device, latent shape and dtype, start frame,
+  the store's configuration and the layout of every layer's stored past): Triton compiles, cuDNN and cuBLAS make
+  their plans and lazily built device tables appear in that eager call, none of which may happen inside a capture.
+- The store's own lazy work (joining encoded segments, `reuse_decoded`'s decode) is done before a capture, so no
+  stored tensor is replaced by one the graph would only fill at replay.
+- The block's last step runs eagerly when no graph exists yet (a capture costs the host as much as the call).
+- A capture that fails (an op that waits for the GPU, a host-to-device copy from pageable memory) is ended, the call
+  runs eagerly, and its signature is not captured again in this process (`FAILED` keeps why).
+- A graph lives for one block: it is dropped after the block's commit and the loop's synchronisation.
+- With a KV observer attached (`mmkv inspect kv`) every call runs eagerly: the observer reads each call's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+# signatures this process has run eagerly (their kernels and plans exist), and the ones whose capture failed -> why
+WARM: set[tuple] = set()
+FAILED: dict[tuple, str] = {}
+
+
+class GraphError(ValueError):
+    """CUDA graphs asked for where they cannot run; the message says what would be accepted."""
+
+
+def _stores(model) -> list[Any]:
+    """The KV stores attached to the model's self-attention modules (one, normally)."""
+    seen: dict[int, Any] = {}
+    for m in model.transformer.modules():
+        store = m.__dict__.get("mmkv_store")
+        if store is not None:
+            seen[id(store)] = store
+    return list(seen.values())
+
+
+def _observed(model) -> bool:
+    return any(m.__dict__.get("mmkv_observer") is not None for m in model.transformer.modules())
+
+
+def signature(model, x: torch.Tensor, start_frame: int) -> tuple:
+    """What decides which kernels and plans a denoising call needs: the device, the latent shape and dtype, the start
+    frame (RoPE) and, for each attached store, its configuration and every layer's stored past as (encoded, tokens,
+    stack, skipped tokens) a segment. Two calls with one signature launch the same kernels on the same shapes."""
+    stores = []
+    for store in _stores(model):
+        layers = tuple(tuple((s.encoded, s.num_tokens, s.stack, s.skip_tokens) for s in store.segments(layer))
+                       for layer in range(store.num_layers))
+        stores.append((repr(store.config), layers))
+    return (str(x.device), x.dtype, tuple(x.shape), int(start_frame), model.dtype, tuple(stores))
+
+
+class BlockGraphs:
+    """Runs a rollout's denoising calls, capturing the first call of a block that may be captured as a CUDA graph and
+    replaying it for the block's later steps (see the module docstring for when a call runs eagerly instead)."""
+
+    def __init__(self, model, context: torch.Tensor):
+        self.check_device(model)
+        self.model = model
+        self.context = context
+        self.stream: torch.cuda.Stream | None = None  # the capture stream, made at the first capture
+        self.graph: Any = None  # the block's torch.cuda.CUDAGraph
+        self.start_frame: int | None = None
+        self.x = self.t = self.out = None
+        self.eager = self.captured = self.replayed = 0
+
+    @staticmethod
+    def check_device(model) -> None:
+        if model.device.type != "cuda":
+            raise GraphError(f"CUDA graphs need the model on a CUDA device, got {model.device}; run without them "
+                             f"(cuda_graphs=False, no --cuda-graphs)")
+
+    def denoise(self, x: torch.Tensor, t: float, start_frame: int, steps_left: int) -> torch.Tensor:
+        """The flow prediction `model(x, t, context, start_frame=start_frame, mode="denoise")`, from the block's graph
+        where there is one. `steps_left`: this step and the block's later ones."""
+        if self.graph is None:
+            model = self.model
+            first = model.state.cache_cross_attn and not model.state.cross_kv
+            key = None if first or steps_left < 2 or _observed(model) else signature(model, x, start_frame)
+            if key is None or key not in WARM or key in FAILED or not self._capture(x, start_frame, key):
+                if key is not None:
+                    WARM.add(key)
+                self.eager += 1
+                return model(x, t, self.context, start_frame=start_frame, mode="denoise")
+        elif start_frame != self.start_frame or x.shape != self.x.shape or x.dtype != self.x.dtype:
+            raise GraphError(f"a block's graph was captured for frame {self.start_frame} and latents "
+                             f"{tuple(self.x.shape)} {self.x.dtype}, called for frame {start_frame} and "
+                             f"{tuple(x.shape)} {x.dtype}: end_block() must follow each block's commit")
+        self.x.copy_(x)
+        self.t.fill_(float(t))
+        self._replay()
+        self.replayed += 1
+        return self.out
+
+    def _capture(self, x: torch.Tensor, start_frame: int, key: tuple) -> bool:
+        """Capture one denoising call; False (and the reason in FAILED) when the capture failed."""
+        for store in _stores(self.model):  # the store's lazy joins and decodes, now rather than inside the graph
+            for layer in range(store.num_layers):
+                store.segments(layer)
+        self.x = torch.empty_like(x)
+        self.t = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+        try:
+            self.graph, self.out = self._record(
+                lambda: self.model(self.x, self.t, self.context, start_frame=start_frame, mode="denoise"))
+        except Exception as err:  # noqa: BLE001 - any failure inside a capture means: run this call eagerly
+            FAILED[key] = f"{type(err).__name__}: {err}"
+            self.x = self.t = None
+            return False
+        self.start_frame = int(start_frame)
+        self.captured += 1
+        return True
+
+    def _record(self, call: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """(graph, its output tensor): `call` captured on the side stream, not run."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.model.device)
+        graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream(self.model.device)
+        self.stream.wait_stream(main)
+        try:
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = call()
+                finally:
+                    graph.capture_end()
+        finally:
+            main.wait_stream(self.stream)
+        return graph, out
+
+    def _replay(self) -> None:
+        self.graph.replay()
+
+    def end_block(self) -> None:
+        """Drop the block's graph and its buffers (after the block's work has finished on the GPU)."""
+        self.graph = self.out = self.x = self.t = None
+        self.start_frame = None
