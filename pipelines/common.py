@@ -222,6 +222,16 @@ def parse_device(text: str | None, rank: int = 0) -> torch.device:
 # Seeded noise
 
 
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on `device`. To CUDA through pinned memory, asynchronously: a copy from pageable memory waits for
+    the GPU to finish its queued work (a host sync), which would keep the host from running ahead of the GPU, as a
+    rollout's CUDA graphs need it to (pipelines/wan/graphs.py). The bytes are the same either way."""
+    device = torch.device(device)
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 class NoiseStream:
     """Every random draw of one rollout, from a private generator seeded by (seed, item index), hashed as drawn.
 
@@ -244,7 +254,7 @@ class NoiseStream:
         x = torch.randn(*shape, generator=self.generator, dtype=torch.float32)
         self._hash.update(_tensor_bytes(x))
         self.count += x.numel()
-        return x.to(device=device, dtype=dtype)
+        return to_device(x, device).to(dtype)
 
     @property
     def sha256(self) -> str:

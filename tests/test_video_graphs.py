@@ -4,6 +4,9 @@ store's layout; and on CUDA, a graphed rollout's latents are the eager rollout's
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
 
@@ -79,6 +82,17 @@ def test_a_graphed_rollout_is_the_eager_one_bit_for_bit(name, codec):
         assert torch.equal(graphed.latents, eager.latents)
     steps = len(preset.schedules()[1])
     assert graphed.graph_replays == (frames // preset.frames_per_block) * steps - 1
+    # the loop itself never waits for the GPU (noise and sigma copies through pinned memory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run(dit, context, preset, store, frames, graphs=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    loop_syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+                  and w.filename.endswith(("pipelines/common.py", "wan/loop.py", "wan/graphs.py"))]
+    assert not loop_syncs
 
 
 class ReplayByRunning(graphs.BlockGraphs):
@@ -87,6 +101,7 @@ class ReplayByRunning(graphs.BlockGraphs):
     replayed, which run eagerly, and that replays read the step's latents and timestep."""
 
     fail = False
+    side_calls = 0
 
     @staticmethod
     def check_device(model) -> None:
@@ -99,6 +114,29 @@ class ReplayByRunning(graphs.BlockGraphs):
 
     def _replay(self) -> None:
         self.out.copy_(self.graph())
+
+    def _on_side(self, call):
+        self.side_calls += 1
+        return call()
+
+    def _event(self):
+        return Clock()
+
+    def _sync(self) -> None:
+        pass
+
+
+class Clock:
+    """A stand-in for a CUDA timing event: the host's clock when made."""
+
+    def __init__(self):
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: "Clock") -> float:
+        return (later.at - self.at) * 1e3
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -115,6 +153,7 @@ def test_the_block_graph_bookkeeping_on_the_cpu(dit, context, monkeypatch, name)
     cold = run(dit, context, preset, store, frames, graphs=True)
     warm = run(dit, context, preset, store, frames, graphs=True)
     assert torch.equal(cold.latents, eager.latents) and torch.equal(warm.latents, eager.latents)
+    assert len(warm.block_seconds) == 4 and min(warm.block_seconds) > 0
     # cold: block 0 runs two calls eagerly (the rollout's first, then the first of its signature); later blocks one
     # each where two or more steps are left after it
     later = 3 * (rest - 1 if rest - 1 >= 2 else 0)

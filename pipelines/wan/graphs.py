@@ -15,12 +15,16 @@ Rules, each for a reason:
 - A call runs eagerly the first time this process meets its signature (device, latent shape and dtype, start frame,
   the store's configuration and the layout of every layer's stored past): Triton compiles, cuDNN and cuBLAS make
   their plans and lazily built device tables appear in that eager call, none of which may happen inside a capture.
+  It runs on the capture stream (as `torch.cuda.make_graphed_callables` warms up), so the handles and workspaces
+  that the libraries keep per stream exist before the first capture on it.
 - The store's own lazy work (joining encoded segments, `reuse_decoded`'s decode) is done before a capture, so no
   stored tensor is replaced by one the graph would only fill at replay.
 - The block's last step runs eagerly when no graph exists yet (a capture costs the host as much as the call).
 - A capture that fails (an op that waits for the GPU, a host-to-device copy from pageable memory) is ended, the call
   runs eagerly, and its signature is not captured again in this process (`FAILED` keeps why).
-- A graph lives for one block: it is dropped after the block's commit and the loop's synchronisation.
+- A graph serves one block. The loop does not wait for the GPU between graphed blocks (block times come from CUDA
+  events, and the noise and sigma copies do not sync: `mmkv.pipelines.common.to_device`), so a block's graph is kept
+  until the next block ends and dropped once an event behind its replays has passed.
 - With a KV observer attached (`mmkv inspect kv`) every call runs eagerly: the observer reads each call's tensors.
 """
 
@@ -33,6 +37,7 @@ import torch
 # signatures this process has run eagerly (their kernels and plans exist), and the ones whose capture failed -> why
 WARM: set[tuple] = set()
 FAILED: dict[tuple, str] = {}
+STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # the capture stream of each device
 
 
 class GraphError(ValueError):
@@ -73,11 +78,12 @@ class BlockGraphs:
         self.check_device(model)
         self.model = model
         self.context = context
-        self.stream: torch.cuda.Stream | None = None  # the capture stream, made at the first capture
         self.graph: Any = None  # the block's torch.cuda.CUDAGraph
         self.start_frame: int | None = None
         self.x = self.t = self.out = None
+        self.retired: tuple | None = None  # the last block's graph, its buffers and an event behind its replays
         self.eager = self.captured = self.replayed = 0
+        self.marks = [self._event()]  # the rollout's start, then each block's end
 
     @staticmethod
     def check_device(model) -> None:
@@ -92,11 +98,14 @@ class BlockGraphs:
             model = self.model
             first = model.state.cache_cross_attn and not model.state.cross_kv
             key = None if first or steps_left < 2 or _observed(model) else signature(model, x, start_frame)
-            if key is None or key not in WARM or key in FAILED or not self._capture(x, start_frame, key):
-                if key is not None:
-                    WARM.add(key)
+            call = lambda: model(x, t, self.context, start_frame=start_frame, mode="denoise")  # noqa: E731
+            if key is not None and key not in WARM:  # on the capture stream, whose handles a capture then finds
+                WARM.add(key)
                 self.eager += 1
-                return model(x, t, self.context, start_frame=start_frame, mode="denoise")
+                return self._on_side(call)
+            if key is None or key in FAILED or not self._capture(x, start_frame, key):
+                self.eager += 1
+                return call()
         elif start_frame != self.start_frame or x.shape != self.x.shape or x.dtype != self.x.dtype:
             raise GraphError(f"a block's graph was captured for frame {self.start_frame} and latents "
                              f"{tuple(self.x.shape)} {self.x.dtype}, called for frame {start_frame} and "
@@ -125,28 +134,73 @@ class BlockGraphs:
         self.captured += 1
         return True
 
-    def _record(self, call: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
-        """(graph, its output tensor): `call` captured on the side stream, not run."""
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.model.device)
-        graph = torch.cuda.CUDAGraph()
-        main = torch.cuda.current_stream(self.model.device)
-        self.stream.wait_stream(main)
+    def _side(self) -> torch.cuda.Stream:
+        """The process's capture stream for this device (one, so the cuBLAS and cuDNN handles and workspaces that the
+        eager warm-up calls made on it are there for every capture)."""
+        device = self.model.device
+        if device not in STREAMS:
+            STREAMS[device] = torch.cuda.Stream(device)
+        return STREAMS[device]
+
+    def _on_side(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`call()` run eagerly on the capture stream, ordered after the work queued so far and before what follows.
+        Memory it frees is reused on that stream only after it has waited for the main stream again."""
+        side, main = self._side(), torch.cuda.current_stream(self.model.device)
+        side.wait_stream(main)
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(side):
+                return call()
+        finally:
+            main.wait_stream(side)
+
+    def _record(self, call: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """(graph, its output tensor): `call` captured on the capture stream, not run."""
+        graph = torch.cuda.CUDAGraph()
+        side, main = self._side(), torch.cuda.current_stream(self.model.device)
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     out = call()
                 finally:
                     graph.capture_end()
         finally:
-            main.wait_stream(self.stream)
+            main.wait_stream(side)
         return graph, out
 
     def _replay(self) -> None:
         self.graph.replay()
 
     def end_block(self) -> None:
-        """Drop the block's graph and its buffers (after the block's work has finished on the GPU)."""
+        """Retire the block's graph and mark the block's end on the GPU's timeline. The loop does not wait for the GPU
+        at the end of a graphed block, so the graph may still be replaying: it is kept, with an event recorded behind
+        its work, until the next block ends, and dropped once that event has passed (the host then runs at most
+        about a block ahead of the GPU)."""
+        self.release()
+        if self.graph is not None:
+            self.retired = (self.graph, self.out, self.x, self.t, self._event())
         self.graph = self.out = self.x = self.t = None
         self.start_frame = None
+        self.marks.append(self._event())
+
+    def release(self) -> None:
+        """Drop the retired graph, waiting for the GPU to have run its replays."""
+        retired, self.retired = self.retired, None
+        if retired is not None:
+            retired[-1].synchronize()
+
+    def finish(self) -> list[float]:
+        """Wait for the GPU, drop the last graph, and return each block's seconds between its end marks."""
+        self._sync()
+        self.release()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+    def _event(self) -> Any:
+        """A timing event recorded on the current stream (behind the work queued so far)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.model.device))
+        return event
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize(self.model.device)

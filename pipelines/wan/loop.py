@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from mmkv.pipelines.common import NoiseStream
+from mmkv.pipelines.common import NoiseStream, to_device
 from mmkv.pipelines.wan.graphs import BlockGraphs
 from mmkv.pipelines.wan.model import CausalWan
 
@@ -63,15 +63,24 @@ class FlowMatchScheduler:
         """sigma at the grid point nearest to t (float32 scalar tensor)."""
         return self.sigmas[self._index(torch.tensor([float(t)], dtype=torch.float32))][0]
 
+    def _sigma_on(self, t: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """`sigma(t)` in `dtype` on `device`, copied there once per (t, device, dtype) and without a host sync
+        (`to_device`): the loop asks for it at every step."""
+        key = (float(t), str(device), dtype)
+        cache = self.__dict__.setdefault("_on_device", {})
+        if key not in cache:
+            cache[key] = to_device(self.sigma(t).to(dtype), device)
+        return cache[key]
+
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
         """(1 - sigma_t) x0 + sigma_t eps, in float32 with the result in the noise's dtype (flow_match.py:58-73)."""
         # sigma as a [1,...,1] float32 tensor (not 0-dim) so bf16 latents promote to float32, as in the original.
-        s = self.sigma(t).to(x0.device).reshape([1] * x0.dim())
+        s = self._sigma_on(t, x0.device, torch.float32).reshape([1] * x0.dim())
         return ((1 - s) * x0 + s * noise).type_as(noise)
 
     def flow_to_x0(self, flow: torch.Tensor, xt: torch.Tensor, t: float) -> torch.Tensor:
         """x0 = x_t - sigma_t * flow, in float64 (CausVid wan_wrapper.py:115-139)."""
-        s = self.sigma(t).double().to(flow.device)
+        s = self._sigma_on(t, flow.device, torch.float64)
         return (xt.double() - s * flow.double()).to(flow.dtype)
 
 
@@ -149,7 +158,7 @@ def get_preset(name: str) -> Preset:
 @dataclass
 class RolloutResult:
     latents: torch.Tensor  # [B, F, C, H, W], model dtype
-    block_seconds: list[float] = field(default_factory=list)
+    block_seconds: list[float] = field(default_factory=list)  # graphed: between CUDA events on the GPU's timeline
     calls: int = 0
     graph_replays: int = 0  # denoising calls served by a block's CUDA graph (`cuda_graphs=True`)
 
@@ -191,7 +200,7 @@ def rollout(
     device, dtype = model.device, model.dtype
     shape = (batch_size, num_frames, model.in_channels, latent_height, latent_width)
     given = _check_prefix(prefix, shape, fpb)
-    graphs = BlockGraphs(model, context) if cuda_graphs else None
+    graphs = BlockGraphs(model, context) if cuda_graphs else None  # its clock starts here
     model.reset()
     x_init = noise.randn(*shape, device=device, dtype=dtype)  # one draw for the whole video (CausVid, Causal Forcing)
     out = torch.empty(shape, device=device, dtype=dtype)
@@ -221,14 +230,16 @@ def rollout(
         # Cache pass on the clean block: its output is discarded, its K/V are what later blocks see.
         model(x0, preset.context_noise, context, start_frame=s, mode="commit")
         result.calls += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if graphs is not None:
+        if graphs is not None:  # no wait for the GPU: block times from events, read at the end
             graphs.end_block()
-        result.block_seconds.append(time.perf_counter() - t0)
+        else:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            result.block_seconds.append(time.perf_counter() - t0)
         if on_block is not None:
             on_block(b, num_blocks)
     if graphs is not None:
+        result.block_seconds = graphs.finish()
         result.graph_replays = graphs.replayed
     return result
 
