@@ -67,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and report how many host syncs torch ops made, by source line (cheaper than --profile)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="run each block's denoising calls as a captured CUDA graph, the baseline's and every "
-                             "codec's (mmkv.pipelines.wan.graphs); each row then also runs one eager rollout and says "
-                             "whether the graphed rollout's latents equal it bit for bit (graphs_equal_eager)")
+                             "codec's (mmkv.pipelines.wan.graphs); implies --full-warmup; each row then also runs one "
+                             "eager rollout and says whether the graphed rollout's latents equal it bit for bit "
+                             "(graphs_equal_eager)")
     parser.add_argument("--jobs", type=int, default=0, metavar="N",
                         help="first compile the kernels in N worker processes, one warm-up rollout of each codec on "
                              "every loop (Triton's on-disk cache), so that the timed process only loads them: a cold "
@@ -187,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 0:
         raise ValueError(f"--jobs must be a worker count >= 0, got {args.jobs}")
     dev = torch.device("cuda" if cuda else "cpu")
+    # graphed calls of a block run eagerly the first time the process meets them (pipelines/wan/graphs.py): a
+    # two-block warm-up would leave that to the first timed rollout
+    full_warmup = args.full_warmup or args.cuda_graphs
     began = time.perf_counter()
     if args.jobs and not args.warm_only:
         precompile(args, codecs)
@@ -224,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         for name in models:
             preset = get_preset(name)
             for codec in codecs:
-                one(preset, codec, max(frame_counts) if args.full_warmup else preset.frames_per_block * 2)
+                one(preset, codec, max(frame_counts) if full_warmup else preset.frames_per_block * 2)
         return 0
     rows = []
     for name in models:
@@ -233,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         for codec in [None, *codecs]:
             try:
                 warm = time.perf_counter()
-                warm_frames = max(frame_counts) if args.full_warmup else preset.frames_per_block * 2
+                warm_frames = max(frame_counts) if full_warmup else preset.frames_per_block * 2
                 one(preset, codec, warm_frames)  # warm-up: kernel compilation, allocator
                 warm = time.perf_counter() - warm
                 for frames in frame_counts:
