@@ -41,6 +41,7 @@ class FlowMatchScheduler:
         sigmas = torch.linspace(1.0, 0.0, num_train_timesteps + 1)[:-1]
         self.sigmas = self.shift * sigmas / (1 + (self.shift - 1) * sigmas)
         self.timesteps = self.sigmas * num_train_timesteps
+        self._on_device: dict[tuple, torch.Tensor] = {}  # `_sigma_on`'s copies
 
     def warp(self, steps: list[float]) -> list[float]:
         """`warp_denoising_step`: entry n becomes grid-with-trailing-0[1000 - n].
@@ -67,10 +68,9 @@ class FlowMatchScheduler:
         """`sigma(t)` in `dtype` on `device`, copied there once per (t, device, dtype) and without a host sync
         (`to_device`): the loop asks for it at every step."""
         key = (float(t), str(device), dtype)
-        cache = self.__dict__.setdefault("_on_device", {})
-        if key not in cache:
-            cache[key] = to_device(self.sigma(t).to(dtype), device)
-        return cache[key]
+        if key not in self._on_device:
+            self._on_device[key] = to_device(self.sigma(t).to(dtype), device)
+        return self._on_device[key]
 
     def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: float) -> torch.Tensor:
         """(1 - sigma_t) x0 + sigma_t eps, in float32 with the result in the noise's dtype (flow_match.py:58-73)."""
