@@ -61,7 +61,9 @@ def _observed(model) -> bool:
 def signature(model, x: torch.Tensor, start_frame: int) -> tuple:
     """What decides which kernels and plans a denoising call needs: the device, the latent shape and dtype, the start
     frame (RoPE) and, for each attached store, its configuration and every layer's stored past as (encoded, tokens,
-    stack, skipped tokens) a segment. Two calls with one signature launch the same kernels on the same shapes."""
+    stack, skipped tokens) a segment. Two calls with one signature launch the same kernels on the same shapes.
+    Reading the segments also does the store's lazy work (joining encoded segments, `reuse_decoded`'s decode) here,
+    outside any capture, so that no stored tensor is replaced by one a graph would only fill when replayed."""
     stores = []
     for store in _stores(model):
         layers = tuple(tuple((s.encoded, s.num_tokens, s.stack, s.skip_tokens) for s in store.segments(layer))
@@ -117,10 +119,8 @@ class BlockGraphs:
         return self.out
 
     def _capture(self, x: torch.Tensor, start_frame: int, key: tuple) -> bool:
-        """Capture one denoising call; False (and the reason in FAILED) when the capture failed."""
-        for store in _stores(self.model):  # the store's lazy joins and decodes, now rather than inside the graph
-            for layer in range(store.num_layers):
-                store.segments(layer)
+        """Capture one denoising call; False (and the reason in FAILED) when the capture failed. The store's lazy work
+        is already done: `signature` read every layer's segments."""
         self.x = torch.empty_like(x)
         self.t = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
         try:
