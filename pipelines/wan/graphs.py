@@ -84,7 +84,7 @@ class BlockGraphs:
         self.start_frame: int | None = None
         self.x = self.t = self.out = None
         self.retired: tuple | None = None  # the last block's graph, its buffers and an event behind its replays
-        self.eager = self.captured = self.replayed = 0
+        self.replayed = 0  # calls served by a replay (RolloutResult.graph_replays)
         self.marks = [self._event()]  # the rollout's start, then each block's end
 
     @staticmethod
@@ -103,10 +103,8 @@ class BlockGraphs:
             call = lambda: model(x, t, self.context, start_frame=start_frame, mode="denoise")  # noqa: E731
             if key is not None and key not in WARM:  # on the capture stream, whose handles a capture then finds
                 WARM.add(key)
-                self.eager += 1
                 return self._on_side(call)
             if key is None or key in FAILED or not self._capture(x, start_frame, key):
-                self.eager += 1
                 return call()
         elif start_frame != self.start_frame or x.shape != self.x.shape or x.dtype != self.x.dtype:
             raise GraphError(f"a block's graph was captured for frame {self.start_frame} and latents "
@@ -131,7 +129,6 @@ class BlockGraphs:
             self.x = self.t = None
             return False
         self.start_frame = int(start_frame)
-        self.captured += 1
         return True
 
     def _side(self) -> torch.cuda.Stream:
