@@ -250,8 +250,9 @@ def run(args: argparse.Namespace) -> int:
                     res["warmup_frames"] = warm_frames
                     res["seconds"] = statistics.median(res["all_seconds"])
                     if args.cuda_graphs:  # the same rollout without graphs: are the kernels' outputs the eager ones?
-                        eager = one(preset, codec, frames, graphs=False)["latents"]
-                        res["graphs_equal_eager"] = bool(torch.equal(eager, res["latents"]))
+                        eager = one(preset, codec, frames, graphs=False)
+                        res["graphs_equal_eager"] = bool(torch.equal(eager["latents"], res["latents"]))
+                        res["eager_seconds"] = eager["seconds"]  # one rollout, after the timed ones: a rough gauge
                         del eager
                     del runs
                     if codec is None:
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{preset.name} {rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
                           f"x{rows[-1]['ratio_to_bf16']:.2f} (warm-up {res['warmup_s']:.1f} s)"
                           + (f"; {res['graph_replays']} of {res['calls']} calls replayed, equal to eager: "
-                             f"{res['graphs_equal_eager']}" if args.cuda_graphs else ""), flush=True)
+                             f"{res['graphs_equal_eager']} (eager rollout {res['eager_seconds']:.2f} s)" if args.cuda_graphs else ""), flush=True)
                     del res
                 if args.count_syncs and cuda:
                     rows[-1]["syncs"] = count_syncs(lambda: one(preset, codec, frame_counts[-1]))
@@ -434,6 +435,7 @@ def _row(model: str, codec: str | None, frames: int, latent: str, args, res: dic
         "rel_latent_diff": round(err, 4), "bit_exact": bool((res["latents"] == base["latents"]).all()),
         "cuda_graphs": bool(getattr(args, "cuda_graphs", False)), "calls": res.get("calls"),
         "graph_replays": res.get("graph_replays"), "graphs_equal_eager": res.get("graphs_equal_eager"),
+        "eager_seconds": None if res.get("eager_seconds") is None else round(res["eager_seconds"], 3),
     }
 
 
