@@ -6,8 +6,12 @@ a layer show one for one in the wall time (docs/perf.md, runs AA, AC and AD). Wi
 differ only in their input latents and timestep: the store is written by the commit pass alone, so every denoising
 call of a block reads the same stored tensors at the same addresses, with the same shapes. One capture records such a
 call's kernels; each later step replays them with one launch, and the host runs ahead to the next block while the GPU
-works. The kernels and their arguments are the eager call's, so the outputs should be the eager rollout's bit for
-bit; `mmkv bench video --cuda-graphs` checks that on every row (`graphs_equal_eager`).
+works. The kernels and their arguments are the eager call's, so the outputs are the eager rollout's bit for bit;
+`mmkv bench video --cuda-graphs` checks that on every row (`graphs_equal_eager`).
+
+Measured (docs/perf.md, run AE, one H100): exact on every row, but no faster than the eager loop, which the removal of
+the loop's own host syncs had already made bound by the GPU; so graphs are off by default, an option for a host too
+slow to keep the GPU busy.
 
 Rules, each for a reason:
 - The first call of a rollout runs eagerly: it fills the cross-attention K/V cache (`CausalState.cross_kv`) that
