@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{preset.name} {rows[-1]['codec']}: {frames} frames {res['seconds']:.2f} s "
                           f"x{rows[-1]['ratio_to_bf16']:.2f} (warm-up {res['warmup_s']:.1f} s)"
                           + (f"; {res['graph_replays']} of {res['calls']} calls replayed, equal to eager: "
-                             f"{res['graphs_equal_eager']} (eager rollout {res['eager_seconds']:.2f} s)" if args.cuda_graphs else ""), flush=True)
+                             f"{res['graphs_equal_eager']} (eager rollout {res['eager_seconds']:.2f} s)"
+                             if args.cuda_graphs else ""), flush=True)
                     del res
                 if args.count_syncs and cuda:
                     rows[-1]["syncs"] = count_syncs(lambda: one(preset, codec, frame_counts[-1]))
