@@ -61,6 +61,7 @@ def test_profile_summary_counts_kernels_launches_and_syncs():
     assert s["gpu_kernel_s"] == 2.5 and s["launches"] == 70 and s["triton_launches"] == 40 and s["host_syncs"] == 7
     assert list(s["top_kernels_ms"]) == ["sdpa_kernel", "_octopus_decode_kernel"]
     assert s["most_launched"] == {"_octopus_decode_kernel": 40, "sdpa_kernel": 10}
+    assert s["kernels"] == {"sdpa_kernel": [2000.0, 10], "_octopus_decode_kernel": [500.0, 40]}  # ms, launches
     assert s["cuda_mallocs"] == 3 and s["cuda_frees"] == 2
     # host time: CPU-side events only, most first, in ms
     assert s["host_top_ms"] == {"cudaFree": 7.0, "cuLaunchKernelEx": 5.0, "cudaLaunchKernel": 3.0,

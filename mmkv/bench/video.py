@@ -275,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
                         wall = one(preset, codec, frame_counts[-1])["seconds"]
                     rows[-1]["profile"] = {"wall_s": round(wall, 3), **profile_summary(prof.key_averages()),
                                            **python_profile(lambda: one(preset, codec, frame_counts[-1]))}
-                    print(f"  profiled: {rows[-1]['profile']}", flush=True)
+                    print(f"  profiled: { {k: v for k, v in rows[-1]['profile'].items() if k != 'kernels'} }",
+                          flush=True)
             except Exception:  # noqa: BLE001 - one failing codec must not lose the others' rows
                 if codec is None:
                     raise
@@ -398,6 +399,10 @@ def profile_summary(events) -> dict:
         "triton_launches": count["cuLaunchKernelEx"],
         "host_syncs": count["cudaStreamSynchronize"] + count["cudaDeviceSynchronize"] + count["cudaEventSynchronize"],
         "top_kernels_ms": {e.key[:60]: round(device_time(e) / 1e3, 1) for e in top},
+        # the 40 costliest kernels with their launch counts, in the JSON only: a codec's row minus the baseline's
+        # says which kernels its excess GPU time is (the codecs' own kernels are rarely among the top five)
+        "kernels": {e.key[:80]: [round(device_time(e) / 1e3, 2), e.count]
+                    for e in sorted(kernels, key=device_time, reverse=True)[:40]},
         "most_launched": {e.key[:60]: e.count for e in launched},  # which kernels a codec's extra launches are
         # where the host's time went, when the wall is well above the GPU's kernel time: the ops with the most
         # self CPU time, and the allocator's device mallocs and frees (a cudaFree waits for the device)
