@@ -1,7 +1,7 @@
 """QVG encode: the last stage's centre subtraction fused with the block quantiser and the bit packing, the kernel twin
 of `mmkv.codecs.qvg.subtract` + `quantize_residual` + `pack_bits` (the release's `minus_centroid` and
-`_quant_pack_kernel` in `quant_videogen/real/`); `encode` runs the whole codec with `qvg_assign` for the k-means
-assignment and `qvg_update` for the centre update (fp64 sums, exact, so their atomic order does not matter).
+`_quant_pack_kernel` in `quant_videogen/real/`); `encode` runs the whole codec with `qvg_kmeans` for the k-means
+(assignment and fp64 centre sums fused, two launches an iteration).
 
 One program takes BT tokens x D channels of one (batch, head) problem: r = x - C[id] rounded to the residual dtype,
 per block of BLK channels the absmax (or min and max), the scale divided in fp32 (`div_rn`, like torch), clamped to
@@ -20,8 +20,7 @@ import triton.language as tl
 from mmkv.codecs.base import Encoded
 from mmkv.kernels.common import LAUNCH, cast_to, cdiv, jit, rint, token_block
 from mmkv.kernels.packing import pack_block
-from mmkv.kernels.qvg_assign import assign, supports_shape
-from mmkv.kernels.qvg_update import update
+from mmkv.kernels.qvg_kmeans import kmeans, supports_shape
 
 
 @triton.jit
@@ -63,7 +62,7 @@ def _quant_pack_kernel(
     tok = (t0 + tt).to(tl.int64)
     r = tl.load(r_ptr + p * N * D + tok[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
     if SUBTRACT:
-        ids = tl.load(ids_ptr + p * N + tok, mask=tmask, other=0)
+        ids = tl.load(ids_ptr + p * N + tok, mask=tmask, other=0).to(tl.int64)
         c = tl.load(c_ptr + p * K * D + ids[:, None] * D + jj[None, :], mask=tmask[:, None], other=0.0)
         r = cast_to(r.to(tl.float32) - c.to(tl.float32), r_ptr.dtype.element_ty)  # the residual's own dtype
     x3 = tl.reshape(r.to(tl.float32), (BT, NB, BLK))
@@ -107,7 +106,7 @@ def block_tokens(d: int) -> int:
 
 def quant_pack(codec, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
     """Codes, E4M3 scales (and zeros) of residual - C_last[id_last] (or of residual when there are no stages):
-    residual [P, N, D] in the work dtype, last = (centres [P, K, D] bf16, ids [P, N] int64) or None."""
+    residual [P, N, D] in the work dtype, last = (centres [P, K, D] bf16, ids [P, N] uint8 or int64) or None."""
     p, n, d = residual.shape
     dev = residual.device
     row_bytes = (n * d * codec.bits + 7) // 8
@@ -131,6 +130,6 @@ def quant_pack(codec, residual: torch.Tensor, last) -> dict[str, torch.Tensor]:
 
 
 def encode(codec, x: torch.Tensor) -> Encoded:
-    """`codec.encode(x)` for qvg on the kernels: k-means with the Triton assignment and centre update, then the fused
-    subtract + quantise + pack of the last stage."""
-    return codec.encode_with(x, assign, lambda residual, last: quant_pack(codec, residual, last), update)
+    """`codec.encode(x)` for qvg on the kernels: the k-means kernels, then the fused subtract + quantise + pack of the
+    last stage."""
+    return codec.encode_with(x, lambda residual, last: quant_pack(codec, residual, last), kmeans)

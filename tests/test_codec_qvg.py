@@ -104,17 +104,11 @@ def _rel_err(recon: np.ndarray, x: torch.Tensor) -> float:
 NEAREST_RTOL = 1e-5
 
 
-def traced_encode(codec, x: torch.Tensor, assign=None, quantize=None):
-    """`codec.encode_with(x, assign, quantize)` (default: the reference's functions), recording every assignment call
+def traced_encode(codec, x: torch.Tensor, cluster=None, quantize=None):
+    """`codec.encode_with(x, quantize, cluster)` (default: the reference's functions), recording every assignment
     as (points, centres, ids); the recording only reads the tensors, so the bytes are those of the plain encode."""
     trace = []
-
-    def recording(points, centroids, x_sq, c_sq):
-        ids = (assign or Q.assign_reference)(points, centroids, x_sq, c_sq)
-        trace.append((points, centroids, ids))
-        return ids
-
-    enc = codec.encode_with(x, recording, quantize or codec._quantize_reference)
+    enc = codec.encode_with(x, quantize or codec._quantize_reference, cluster or Q.kmeans, trace)
     enc.shape, enc.dtype, enc.codec = tuple(x.shape), x.dtype, str(codec.config)
     return enc, trace
 
@@ -437,9 +431,9 @@ def _kernels():
         pytest.skip("interpreter tests: run with TRITON_INTERPRET=1")
     from triton.runtime.interpreter import InterpretedFunction
 
-    names = ["common", "packing", "qvg_assign", "qvg_update", "qvg_encode", "qvg_decode"]
+    names = ["common", "packing", "qvg_kmeans", "qvg_encode", "qvg_decode"]
     mods = {n: importlib.import_module(f"mmkv.kernels.{n}") for n in names}
-    if not isinstance(mods["qvg_assign"]._assign_kernel, InterpretedFunction):
+    if not isinstance(mods["qvg_kmeans"]._step_kernel, InterpretedFunction):
         mods = {n: importlib.reload(mods[n]) for n in names}  # imported before the variable was set
     return mods
 
@@ -484,14 +478,15 @@ def test_kernels_encode_and_decode_match_reference(dtype, preset):
 
     # The fused subtract + quantise + pack kernel on the reference's own k-means (torch computed ids and centres for
     # both sides): codes, scales and zeros bit for bit.
-    same_ids = codec.encode_with(x, Q.assign_reference, fused)
+    same_ids = codec.encode_with(x, fused)
     assert ref.tensors.keys() == same_ids.tensors.keys()
     for key in ref.tensors:
         assert _same(ref.tensors[key], same_ids.tensors[key]), key
-    # The whole kernel encode, Triton assignment included: its dot products sum in another order than torch.bmm, so
-    # ids may differ from the reference's at near-ties; each step is the algorithm's, checked on its own trajectory.
+    # The whole kernel encode, the k-means kernels included: their norms and dot products sum in another order than
+    # torch's, so ids may differ from the reference's at near-ties; each step is the algorithm's, checked on its own
+    # trajectory.
     ker = k["qvg_encode"].encode(codec, x)
-    traced, trace = traced_encode(codec, x, k["qvg_assign"].assign, fused)
+    traced, trace = traced_encode(codec, x, k["qvg_kmeans"].kmeans, fused)
     assert ker.tensors.keys() == ref.tensors.keys()
     # Both name the codec as `Codec.encode` does, so a bundle reads the same from either path (the GPU check
     # compares them).
@@ -536,10 +531,13 @@ def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
     k = _kernels()
     pts = kv_like((2, 70, 64), seed=10, dtype=torch.float32)
     cents = pts[:, ::5].to(torch.bfloat16) + 0.01
-    args = (pts, cents, Q.sq_norms(pts), Q.sq_norms(cents))
-    ids_k, ids_r = k["qvg_assign"].assign(*args), Q.assign_reference(*args)
-    assert (ids_k == ids_r).float().mean() >= 0.99  # only summation-order near-ties may differ
-    assert_nearest(pts.numpy(), cents.float().numpy(), ids_k.numpy())
+    trace = []
+    k["qvg_kmeans"].kmeans(pts, cents, 1, 0.0, trace)
+    ids_k = trace[0][2]
+    ids_r = Q.assign_reference(pts, cents, Q.sq_norms(pts), Q.sq_norms(cents))
+    assert ids_k.dtype == torch.uint8
+    assert (ids_k.long() == ids_r).float().mean() >= 0.99  # only summation-order near-ties may differ
+    assert_nearest(pts.numpy(), cents.float().numpy(), ids_k.long().numpy())
     # E4M3 by hand (round to nearest even, subnormals, +-448) == torch's cast, both ways
     globals().update(_E4M3_ROUND=k["qvg_encode"].e4m3_round, _E4M3_VALUE=k["qvg_decode"].e4m3_value)
     v = (torch.randn(1024, generator=gen(12)) * torch.logspace(-5, 2.7, 1024)).clamp(-448, 448)
@@ -553,18 +551,47 @@ def test_kernel_assignment_matches_reference_and_e4m3_helpers_match_torch():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel_centre_update_is_the_reference_bit_for_bit(dtype):
-    """The fp64 sums are exact, so the kernel's atomic adds give the reference's means whatever their order: centres
-    (bf16) and counts equal, empty clusters keep their old centre, a partial token block and a 64-d head."""
+    """The fp64 sums are exact, so the kernels' atomic adds give the reference's means of the same ids whatever their
+    order: centres (bf16) equal, empty clusters keep their old centre, a partial token block and a 64-d head; and
+    the sums buffer is zeroed for the next iteration (a second iteration's centres are the means of its own ids)."""
     k = _kernels()
     pts = kv_like((3, 150, 64), seed=14, dtype=dtype)
-    ids = torch.randint(0, 12, (3, 150), generator=gen(15))
-    ids[1] = ids[1] % 5  # problem 1 leaves centres 5-11 empty
-    old = kv_like((3, 16, 64), seed=16, dtype=torch.bfloat16)  # centres 12-15 are never chosen anywhere
-    want, want_counts = Q.update_centroids(pts, ids, old)
-    got, counts = k["qvg_update"].update(pts, ids, old)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    assert counts.dtype == torch.int32 and torch.equal(counts.long(), want_counts)
-    assert torch.equal(got[1, 5:], old[1, 5:]) and not torch.equal(got[1, :5], old[1, :5])
+    old = kv_like((3, 16, 64), seed=16, dtype=torch.bfloat16)
+    old[:, 12:] += 1e3  # centres 12-15 are never the nearest anywhere
+    trace = []
+    ids, got, iters = k["qvg_kmeans"].kmeans(pts, old, 2, 0.0, trace)
+    assert iters == 2 and len(trace) == 2 and got.dtype == torch.bfloat16
+    first, _ = Q.update_centroids(pts, trace[0][2].long(), old)
+    assert torch.equal(trace[1][1], first)  # iteration 1's centres: the means of iteration 0's ids
+    want, counts = Q.update_centroids(pts, ids.long(), first)
+    assert torch.equal(got, want)  # tol 0 never stops: the last ids with their means
+    assert (counts[:, 12:] == 0).all() and torch.equal(got[:, 12:], old[:, 12:])
+
+
+@pytest.mark.parametrize("iters, tol", [(2, 1.0), (3, 1.0), (3, 0.0), (1, 0.5)])
+def test_kernel_kmeans_stops_like_the_reference(iters, tol):
+    """The early stop on the kernels: the changed-ids count against `stop_limit` (tol 1: the second iteration always
+    stops and keeps its pre-update centres, on the device at the last iteration or read on the host before it), the
+    same trajectory as the reference's on points whose assignment has no near-ties."""
+    k = _kernels()
+    g = gen(17)
+    centres = torch.randn(2, 4, 32, generator=g) * 10
+    pts = (centres[:, torch.arange(40) % 4] + 0.1 * torch.randn(2, 40, 32, generator=g)).to(torch.bfloat16)
+    init = pts[:, :4].clone()
+    tk, tr = [], []
+    ids_k, c_k, it_k = k["qvg_kmeans"].kmeans(pts, init, iters, tol, tk)
+    ids_r, c_r, it_r = Q.kmeans(pts, init, iters, tol, tr)
+    assert it_k == it_r == len(tk) == len(tr) == (min(iters, 2) if tol == 1.0 else iters)
+    assert torch.equal(ids_k.long(), ids_r) and torch.equal(c_k, c_r)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(tk, tr))
+
+
+def test_stop_limit_is_the_fraction_rule_as_a_count():
+    for total in (1, 7, 49, 4680, 56160):
+        for tol in (0.0, 1e-4, 0.013, 0.5, 1.0):
+            limit = Q.stop_limit(total, tol)
+            assert all((c / total < tol) == (c < limit) for c in range(total + 1) if abs(c - limit) < 3 or c % 97 == 0)
+    assert Q.stop_limit(100, 0.0) == 0 and Q.stop_limit(100, 1.0) == 100
 
 
 def test_dispatch_lists_the_qvg_kernels(monkeypatch):

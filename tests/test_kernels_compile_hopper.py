@@ -163,24 +163,31 @@ def test_minmax_encoder_and_oscar_norm_kernels_compile_for_sm90(tmp_path):
     assert size < 2_000_000, f"the token-norm kernel's cubin is {size} bytes: is the head loop unrolled again?"
 
 
-QVG_UPDATE = textwrap.dedent("""
+QVG_KMEANS = textwrap.dedent("""
     import json
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from mmkv.kernels import qvg_update
+    from mmkv.kernels import qvg_kmeans
     from mmkv.kernels.common import LAUNCH
 
     target = GPUTarget("cuda", 90, 32)
     out = []
-    sig = {"x_ptr": "*bf16", "ids_ptr": "*i64", "sums_ptr": "*fp64", "counts_ptr": "*i32", "N": "i32", "K": "i32",
-           "D": "constexpr", "BT": "constexpr"}
-    k = triton.compile(ASTSource(fn=qvg_update._sums_kernel, signature=sig, constexprs={"D": 128, "BT": 64}),
-                       target=target, options={"num_warps": 4, **LAUNCH})
-    out.append((len(k.asm["cubin"]), "atom.global" in k.asm["ptx"] and ".f64" in k.asm["ptx"]))
-    sig = {"sums_ptr": "*fp64", "counts_ptr": "*i32", "old_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32",
-           "D": "constexpr", "BK": "constexpr"}
-    k = triton.compile(ASTSource(fn=qvg_update._finish_kernel, signature=sig, constexprs={"D": 128, "BK": 32}),
+    sig = {"x_ptr": "*bf16", "c_ptr": "*bf16", "csq_ptr": "*fp32", "ids_ptr": "*u8", "prev_ptr": "*u8",
+           "sums_ptr": "*fp64", "counts_ptr": "*i32", "changed_ptr": "*i32", "N": "i32", "K": "constexpr",
+           "D": "constexpr", "BN": "constexpr", "BK": "constexpr", "SUB": "constexpr", "MMA": "constexpr",
+           "COMPARE": "constexpr"}
+    for compare in (False, True):  # the first iteration; a later one, which counts the changed ids
+        consts = {"K": 256, "D": 128, "BN": 64, "BK": 64, "SUB": 16, "MMA": True, "COMPARE": compare}
+        k = triton.compile(ASTSource(fn=qvg_kmeans._step_kernel, signature=sig, constexprs=consts),
+                           target=target, options={"num_warps": 4, **LAUNCH})
+        ptx = k.asm["ptx"]
+        out.append((len(k.asm["cubin"]), "atom.global" in ptx and ".f64" in ptx and "mma" in ptx))
+    sig = {"sums_ptr": "*fp64", "counts_ptr": "*i32", "old_ptr": "*bf16", "out_ptr": "*bf16", "csq_ptr": "*fp32",
+           "changed_ptr": "*i32", "limit": "i32", "K": "i32", "D": "constexpr", "BK": "constexpr",
+           "SELECT": "constexpr", "NORMS": "constexpr"}
+    k = triton.compile(ASTSource(fn=qvg_kmeans._finish_kernel, signature=sig,
+                                 constexprs={"D": 128, "BK": 32, "SELECT": True, "NORMS": True}),
                        target=target, options={"num_warps": 4, **LAUNCH})
     out.append((len(k.asm["cubin"]), "div.rn.f64" in k.asm["ptx"]))
     from mmkv.kernels import qvg_decode  # the decode with its output rows in up to three strided levels (a stack)
@@ -199,12 +206,13 @@ QVG_UPDATE = textwrap.dedent("""
 """)
 
 
-def test_qvg_centre_update_kernels_compile_for_sm90(tmp_path):
-    """QVG's centre update: fp64 atomic adds (native on sm_90) and an IEEE fp64 division, as the reference's torch
-    ops compute them; and its decode, which writes a stack of spans into token order, with and without joined spans
+def test_qvg_kmeans_kernels_compile_for_sm90(tmp_path):
+    """QVG's k-means: the step (bf16 tensor-core distances, fp64 atomic adds, native on sm_90, with and without the
+    changed-ids count) and the finish (an IEEE fp64 division, as the reference's torch ops compute it, and the early
+    stop's choice); and its decode, which writes a stack of spans into token order, with and without joined spans
     (a token's centre table found from the spans' first tokens)."""
-    built = compiled(QVG_UPDATE, cache=tmp_path)
-    assert [ok for _, ok in built] == [True] * 4 and all(size > 1000 for size, _ in built)
+    built = compiled(QVG_KMEANS, cache=tmp_path)
+    assert [ok for _, ok in built] == [True] * 5 and all(size > 1000 for size, _ in built)
 
 
 TCQ_FINISH = textwrap.dedent("""

@@ -109,32 +109,47 @@ def update_centroids(points: torch.Tensor, ids: torch.Tensor, old: torch.Tensor)
     return torch.where(counts.unsqueeze(-1) > 0, mean, old), counts.long()
 
 
+def stop_limit(total: int, tol: float) -> int:
+    """The early stop's rule as a count: the fraction of ids changed, changed / total in fp64 (correctly rounded, as
+    torch's CPU mean of a bool tensor), is below `tol` exactly when changed < stop_limit(total, tol). The division is
+    monotone in the count, so this is the smallest count whose fraction reaches tol (0 for tol 0: never stop)."""
+    c = max(0, int(tol * total) - 2)
+    while c > 0 and (c - 1) / total >= tol:
+        c -= 1
+    while c <= total and c / total < tol:
+        c += 1
+    return c
+
+
 def kmeans(
     points: torch.Tensor,
     init: torch.Tensor,
     iters: int,
     tol: float,
-    assign: Callable[..., torch.Tensor] = assign_reference,
-    update: Callable[..., tuple[torch.Tensor, torch.Tensor]] = update_centroids,
+    trace: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Lloyd's k-means as released (`kmeans/`) on P problems at once: points [P, N, D], init centres [P, K, D] bf16.
 
     From the second iteration on, when the fraction of ids (over all P problems: one batched call, one decision)
     that changed is below `tol`, stop and return this iteration's ids with its *pre-update* centres; otherwise the
     centres become the new means. Without an early stop the last ids come back with the means computed from them.
-    The last iteration's decision only picks between those two centre tables, so it is made on the device
-    (`torch.where`, no host sync); only earlier iterations, where it decides whether to go on, read it on the host.
-    With the released 2 iterations no call syncs. `assign` and `update` are `assign_reference` and
-    `update_centroids` or their kernel twins. Returns (ids int64 [P, N], centres bf16 [P, K, D], iterations run).
+    The fraction is compared as a count (`stop_limit`). The last iteration's decision only picks between those two
+    centre tables, so it is made on the device (`torch.where`, no host sync); only earlier iterations, where it
+    decides whether to go on, read it on the host. With the released 2 iterations no call syncs. `trace`, when
+    given, receives (points, centres, ids) for every assignment. `kernels/qvg_kmeans.py` holds the kernel
+    twin. Returns (ids int64 [P, N], centres bf16 [P, K, D], iterations run).
     """
     x_sq = sq_norms(points)
+    limit = stop_limit(points.shape[0] * points.shape[1], tol)
     c = init
     prev = None
     for it in range(iters):
-        ids = assign(points, c, x_sq, sq_norms(c))
-        new, _ = update(points, ids, c)
+        ids = assign_reference(points, c, x_sq, sq_norms(c))
+        if trace is not None:
+            trace.append((points, c, ids))
+        new, _ = update_centroids(points, ids, c)
         if prev is not None:
-            stop = torch.mean(ids != prev, dtype=torch.float64) < tol  # exact: a sum of 0s and 1s, / N
+            stop = (ids != prev).sum() < limit
             if it + 1 == iters:
                 return ids, torch.where(stop, c, new), iters
             if stop.item():
@@ -334,16 +349,17 @@ class QVGCodec(Codec):
         return enc
 
     def _encode(self, x: torch.Tensor) -> Encoded:
-        return self.encode_with(x, assign_reference, self._quantize_reference)
+        return self.encode_with(x, self._quantize_reference)
 
     def _init_indices(self, stage: int, problems: int, tokens: int, device: torch.device) -> torch.Tensor:
         """`init_indices` on `device` (`device_init_indices`)."""
         return device_init_indices(self.seed, self.layer, stage, problems, tokens, self.centroids, str(device))
 
-    def encode_with(self, x: torch.Tensor, assign: Callable, quantize: Callable,
-                    update: Callable = update_centroids) -> Encoded:
-        """The encode pipeline with pluggable assignment, centre update and final subtract+quantise+pack (the
-        Triton kernels)."""
+    def encode_with(self, x: torch.Tensor, quantize: Callable, cluster: Callable = kmeans,
+                    trace: list | None = None) -> Encoded:
+        """The encode pipeline with pluggable k-means (`kmeans` or its kernel twin, called as
+        cluster(points, init, iters, tol, trace)) and final subtract+quantise+pack (the Triton kernel); `trace`
+        receives every assignment (points, centres, ids), stage after stage."""
         *lead, n, d = x.shape
         problems = 1
         for s in lead:
@@ -353,7 +369,7 @@ class QVGCodec(Codec):
         for stage in range(self.stages):
             idx = self._init_indices(stage, problems, n, x.device)
             init = torch.gather(residual, 1, idx.unsqueeze(-1).expand(problems, self.centroids, d))
-            ids, cents, it = kmeans(residual, init.to(torch.bfloat16), self.iters, self.tol, assign, update)
+            ids, cents, it = cluster(residual, init.to(torch.bfloat16), self.iters, self.tol, trace)
             ids_all.append(ids)
             cents_all.append(cents)
             iters.append(it)
@@ -365,7 +381,7 @@ class QVGCodec(Codec):
         if self.stages:  # one stage (the default): no stack, whose copy would be one more launch an encode
             ids = ids_all[0].unsqueeze(0) if self.stages == 1 else torch.stack(ids_all)
             cents = cents_all[0].unsqueeze(0) if self.stages == 1 else torch.stack(cents_all)
-            tensors["ids"] = ids.to(torch.uint8).reshape(self.stages, *lead, n)
+            tensors["ids"] = ids.to(torch.uint8).reshape(self.stages, *lead, n)  # the kernels' ids are uint8 already
             tensors["centroids"] = cents.reshape(self.stages, *lead, self.centroids, d)
         return Encoded(str(self.config), tuple(x.shape), x.dtype, tensors, meta={"kmeans_iters": iters})
 
