@@ -53,9 +53,30 @@ def _minmax_decode_kernel(
     else:
         NG: tl.constexpr = (D + G - 1) // G
         moff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + (jj // G)[None, :]
-    s = tl.load(scale_ptr + moff, mask=valid, other=0.0).to(tl.float32)
-    o = tl.load(offset_ptr + moff, mask=valid, other=0.0).to(tl.float32)
-    y = q.to(tl.float32) * s + o
+    if CHANNEL and not UNITS and BT % G == 0 and D == DP:
+        # a group's D scales and offsets, loaded once for its G tokens and broadcast over them (t0 is a multiple of
+        # BT, so the program's tokens are whole groups)
+        gl = tl.arange(0, BT // G)
+        goff = row64 * D * NGT + jj[None, :] * NGT + (t0 // G + gl)[:, None]
+        gmask = (t0 + gl * G < T)[:, None]
+        s2 = tl.load(scale_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
+        o2 = tl.load(offset_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
+        q3 = tl.reshape(q.to(tl.float32), (BT // G, G, D))
+        y = tl.reshape(q3 * s2[:, None, :] + o2[:, None, :], (BT, D))
+    elif not CHANNEL and D == DP and G <= D:
+        # a token's NG scales and offsets, loaded once and broadcast over their groups' channels (loaded per
+        # channel, one token a thread held D of each: 255 registers and spills for OScaR's V, ptxas sm_90)
+        gi = tl.arange(0, D // G)
+        goff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + gi[None, :]
+        gmask = (tt < n_tok)[:, None]
+        s2 = tl.load(scale_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
+        o2 = tl.load(offset_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
+        q3 = tl.reshape(q.to(tl.float32), (BT, D // G, G))
+        y = tl.reshape(q3 * s2[:, :, None] + o2[:, :, None], (BT, D))
+    else:
+        s = tl.load(scale_ptr + moff, mask=valid, other=0.0).to(tl.float32)
+        o = tl.load(offset_ptr + moff, mask=valid, other=0.0).to(tl.float32)
+        y = q.to(tl.float32) * s + o
     if NORM:
         n = tl.load(norm_ptr + (row // NH).to(tl.int64) * T + t0 + tt, mask=tt < n_tok, other=1.0)
         y = y * n[:, None]
