@@ -124,13 +124,13 @@ def test_tcq_lane_search_compiles_for_sm90_without_spills():
         assert shuffles > 0, consts  # the rows' broadcast goes through warp shuffles, not shared memory
 
 
-MINMAX = textwrap.dedent("""
+MINMAX = SPILLS + textwrap.dedent("""
     import json
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from mmkv.kernels import groupquant_encode, oscar_encode
-    from mmkv.kernels.common import LAUNCH, ROWS_WARPS
+    from mmkv.kernels.common import LAUNCH
 
     target = GPUTarget("cuda", 90, 32)
     sig = {"x_ptr": "*bf16", "norm_ptr": "*fp32", "codes_ptr": "*u8", "scale_ptr": "*fp16", "offset_ptr": "*fp16",
@@ -143,13 +143,13 @@ MINMAX = textwrap.dedent("""
                   "NORM": channel and rotate, "ROUNDED": rotate}
         k = triton.compile(ASTSource(fn=groupquant_encode._minmax_encode_kernel, signature=sig, constexprs=consts),
                            target=target, options={"num_warps": 4, **LAUNCH})
-        out.append(len(k.asm["cubin"]))
-    sig = {"x_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "NH": "i32", "rscale": "fp32", "vr": "i32",
-           "D": "constexpr", "BT": "constexpr", "V": "constexpr"}
+        out.append([len(k.asm["cubin"]), spill_report(k.asm["ptx"])[0]])
+    sig = {"x_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "NH": "i32", "rscale": "fp32",
+           "D": "constexpr", "BT": "constexpr"}
     k = triton.compile(ASTSource(fn=oscar_encode._token_norm_kernel, signature=sig,
-                                 constexprs={"D": 128, "BT": 32 * ROWS_WARPS, "V": 8}),
-                       target=target, options={"num_warps": ROWS_WARPS, **LAUNCH})
-    out.append(len(k.asm["cubin"]))
+                                 constexprs={"D": 128, "BT": 32}),
+                       target=target, options={"num_warps": 4, **LAUNCH})
+    out.append([len(k.asm["cubin"]), spill_report(k.asm["ptx"])[0]])
     print(json.dumps(out))
 """)
 
@@ -158,12 +158,14 @@ def test_minmax_encoder_and_oscar_norm_kernels_compile_for_sm90(tmp_path):
     """The min-max encoder with its non-finite flags, and OScaR's token-norm kernel with its loop over the heads
     (a runtime loop: unrolled over 12 heads the kernel took 51 s to compile, looped about 2 s; a cold cache here)."""
     built = compiled(MINMAX, cache=tmp_path)
-    assert len(built) == 4 and all(size > 1000 for size in built)
-    size = built[-1]
+    assert len(built) == 4 and all(size > 1000 for size, _ in built)
+    size = built[-1][0]
     assert size < 2_000_000, f"the token-norm kernel's cubin is {size} bytes: is the head loop unrolled again?"
+    # none spills at the Wan head size (the token norms, one token a thread, spilled 1,520 bytes a thread)
+    assert [spills for _, spills in built] == [0, 0, 0, 0]
 
 
-QVG_KMEANS = textwrap.dedent("""
+QVG_KMEANS = SPILLS + textwrap.dedent("""
     import json
     import triton
     from triton.backends.compiler import GPUTarget
@@ -182,7 +184,8 @@ QVG_KMEANS = textwrap.dedent("""
         k = triton.compile(ASTSource(fn=qvg_kmeans._step_kernel, signature=sig, constexprs=consts),
                            target=target, options={"num_warps": 4, **LAUNCH})
         ptx = k.asm["ptx"]
-        out.append((len(k.asm["cubin"]), "atom.global" in ptx and ".f64" in ptx and "mma" in ptx))
+        out.append((len(k.asm["cubin"]), "atom.global" in ptx and ".f64" in ptx and "mma" in ptx
+                    and spill_report(ptx)[0] == 0))
     sig = {"sums_ptr": "*fp64", "counts_ptr": "*i32", "old_ptr": "*bf16", "out_ptr": "*bf16", "csq_ptr": "*fp32",
            "changed_ptr": "*i32", "limit": "i32", "K": "i32", "D": "constexpr", "BK": "constexpr",
            "SELECT": "constexpr", "NORMS": "constexpr"}
@@ -208,7 +211,7 @@ QVG_KMEANS = textwrap.dedent("""
 
 def test_qvg_kmeans_kernels_compile_for_sm90(tmp_path):
     """QVG's k-means: the step (bf16 tensor-core distances, fp64 atomic adds, native on sm_90, with and without the
-    changed-ids count) and the finish (an IEEE fp64 division, as the reference's torch ops compute it, and the early
+    changed-ids count; no spills: the sums' operand a whole tile at once took every register and spilled) and the finish (an IEEE fp64 division, as the reference's torch ops compute it, and the early
     stop's choice); and its decode, which writes a stack of spans into token order, with and without joined spans
     (a token's centre table found from the spans' first tokens)."""
     built = compiled(QVG_KMEANS, cache=tmp_path)
@@ -280,7 +283,7 @@ def test_tcq_decode_compiles_for_sm90_without_spills(tmp_path):
     assert loads < loads_hi
 
 
-MINMAX_DECODE = textwrap.dedent("""
+MINMAX_DECODE = SPILLS + textwrap.dedent("""
     import json
     import torch
     import triton
@@ -308,12 +311,23 @@ MINMAX_DECODE = textwrap.dedent("""
             k = triton.compile(ASTSource(fn=groupquant_decode._minmax_decode_kernel, signature=sig,
                                          constexprs=consts), target=target, options={"num_warps": warps, **LAUNCH})
             out.append(len(k.asm["cubin"]))
-    print(json.dumps(out))
+    spills = []
+    for channel in (True, False):  # OScaR's K and V decode at the Wan head size, one token a thread
+        bt = block_tokens(32, 128, channel, True)
+        consts = {"D": 128, "DP": 128, "BT": bt, "G": 32, "BITS": 2, "CHANNEL": channel, "ROTATE": True,
+                  "NORM": channel, "ROWS": True, "V": vector(torch.bfloat16), "UNITS": False, "UP": 1}
+        k = triton.compile(ASTSource(fn=groupquant_decode._minmax_decode_kernel, signature=sig, constexprs=consts),
+                           target=target, options={"num_warps": max(1, bt // 32), **LAUNCH})
+        spills.append(spill_report(k.asm["ptx"])[0])
+    print(json.dumps([out, spills]))
 """)
 
 
 def test_minmax_decode_kernel_compiles_for_sm90_with_and_without_joined_units(tmp_path):
     """KIVI's and OScaR's key decode, for one unit and for 16 units of unequal length joined along the tokens
     (each token's group looked up in a table of the units' first tokens and groups), as the AAR's scales are."""
-    built = compiled(MINMAX_DECODE, cache=tmp_path)
+    built, spills = compiled(MINMAX_DECODE, cache=tmp_path)
     assert len(built) == 4 and all(size > 1000 for size in built)
+    # OScaR's decode at D 128 keeps a row in registers: with a scale and an offset loaded per element it spilled
+    # (108 and 166 bytes a thread, K and V); loaded once a group, it does not
+    assert spills == [0, 0]
