@@ -150,8 +150,11 @@ def kmeans(points: torch.Tensor, init: torch.Tensor, iters: int, tol: float,
     changed = buf[p * k * d * 8 + p * k * 4 :].view(torch.int32)
     limit = stop_limit(p * n, tol)
     mma = points.dtype == torch.bfloat16 and not INTERPRET  # the interpreter has no bf16 matrix product
-    bn, bk = (64, 64) if d <= 128 else (32, 32)
-    bkf = max(1, min(32, 4096 // d))
+    # tiles that keep the step and the finish out of spills at D 128 (ptxas sm_90): 64 x 64 on the tensor cores
+    # (128 registers); 32 x 16 for the fp32 products of fp16 / fp32 points (64 x 64 spilled 14 KB a thread); 8 centres
+    # a finish program (32 spilled 156 bytes)
+    bn, bk = ((64, 64) if d <= 128 else (32, 32)) if mma else (32, 16)
+    bkf = max(1, min(8, 1024 // d))
     c = init.contiguous()
     csq = torch.empty(2, p, k, dtype=torch.float32, device=dev)  # this iteration's centre norms and the next's
     if p and k:

@@ -190,9 +190,9 @@ QVG_KMEANS = SPILLS + textwrap.dedent("""
            "changed_ptr": "*i32", "limit": "i32", "K": "i32", "D": "constexpr", "BK": "constexpr",
            "SELECT": "constexpr", "NORMS": "constexpr"}
     k = triton.compile(ASTSource(fn=qvg_kmeans._finish_kernel, signature=sig,
-                                 constexprs={"D": 128, "BK": 32, "SELECT": True, "NORMS": True}),
+                                 constexprs={"D": 128, "BK": 8, "SELECT": True, "NORMS": True}),
                        target=target, options={"num_warps": 4, **LAUNCH})
-    out.append((len(k.asm["cubin"]), "div.rn.f64" in k.asm["ptx"]))
+    out.append((len(k.asm["cubin"]), "div.rn.f64" in k.asm["ptx"] and spill_report(k.asm["ptx"])[0] == 0))
     from mmkv.kernels import qvg_decode  # the decode with its output rows in up to three strided levels (a stack)
     sig = {"codes_ptr": "*u8", "scale_ptr": "*u8", "zero_ptr": "*u8", "ids_ptr": "*u8", "c_ptr": "*bf16",
            "out_ptr": "*bf16", "starts_ptr": "*i32", "N": "i32", "K": "i32", "KT": "i32", "NU": "i32", "P": "i32",
