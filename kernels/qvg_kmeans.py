@@ -100,7 +100,7 @@ def _norms_kernel(c_ptr, csq_ptr, K, D: tl.constexpr, BK: tl.constexpr):
     tl.store(csq_ptr + p * K + kk, tl.sum(c * c, axis=1), mask=kmask)
 
 
-@jit
+@jit(also=("limit",))  # the stop's count moves with the span's length (an AAR's scales): not a compile key
 def _finish_kernel(
     sums_ptr, counts_ptr, old_ptr, out_ptr, csq_ptr, changed_ptr, limit, K,
     D: tl.constexpr, BK: tl.constexpr, SELECT: tl.constexpr, NORMS: tl.constexpr,
