@@ -39,23 +39,11 @@ def _minmax_decode_kernel(
         q = unpack_rows(codes_ptr, row64 * T * (D * BITS // 8), t0, n_tok, vr, BT, D, BITS, V)
     else:
         q = unpack_block(codes_ptr, row64 * row_bytes, t0, n_tok, BT, DP, D, BITS, 0, 0, D)
-    if CHANNEL:
-        tok = t0 + tt
-        if UNITS:  # joined units (`RoleCodec.join_units`): each unit's groups start at its first token
-            u = unit_of(tok, starts_ptr, NU, UP)
-            inside = u < NU
-            first = tl.load(starts_ptr + u, mask=inside, other=0)
-            base = tl.load(starts_ptr + NU + 1 + u, mask=inside, other=0)  # the unit's first group
-            grp = base + (tok - first) // G
-        else:
-            grp = tok // G
-        moff = row64 * D * NGT + jj[None, :] * NGT + grp[:, None]
-    else:
-        NG: tl.constexpr = (D + G - 1) // G
-        moff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + (jj // G)[None, :]
+    NG: tl.constexpr = (D + G - 1) // G
     if CHANNEL and not UNITS and BT % G == 0 and D == DP:
-        # a group's D scales and offsets, loaded once for its G tokens and broadcast over them (t0 is a multiple of
-        # BT, so the program's tokens are whole groups)
+        # a token group's D scales and offsets, loaded once and broadcast over its G tokens (t0 is a multiple of BT,
+        # so the program's tokens are whole groups); loaded per element, one token a thread held D of each: 255
+        # registers and spills for OScaR's K (ptxas sm_90)
         gl = tl.arange(0, BT // G)
         goff = row64 * D * NGT + jj[None, :] * NGT + (t0 // G + gl)[:, None]
         gmask = (t0 + gl * G < T)[:, None]
@@ -64,16 +52,28 @@ def _minmax_decode_kernel(
         q3 = tl.reshape(q.to(tl.float32), (BT // G, G, D))
         y = tl.reshape(q3 * s2[:, None, :] + o2[:, None, :], (BT, D))
     elif not CHANNEL and D == DP and G <= D:
-        # a token's NG scales and offsets, loaded once and broadcast over their groups' channels (loaded per
-        # channel, one token a thread held D of each: 255 registers and spills for OScaR's V, ptxas sm_90)
-        gi = tl.arange(0, D // G)
+        # a token's NG scales and offsets, loaded once and broadcast over their groups' channels (as above: OScaR's V)
+        gi = tl.arange(0, NG)
         goff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + gi[None, :]
         gmask = (tt < n_tok)[:, None]
         s2 = tl.load(scale_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
         o2 = tl.load(offset_ptr + goff, mask=gmask, other=0.0).to(tl.float32)
-        q3 = tl.reshape(q.to(tl.float32), (BT, D // G, G))
+        q3 = tl.reshape(q.to(tl.float32), (BT, NG, G))
         y = tl.reshape(q3 * s2[:, :, None] + o2[:, :, None], (BT, D))
-    else:
+    else:  # joined units, a row padded to a power of two, or groups wider than the row: a scale per element
+        if CHANNEL:
+            tok = t0 + tt
+            if UNITS:  # joined units (`RoleCodec.join_units`): each unit's groups start at its first token
+                u = unit_of(tok, starts_ptr, NU, UP)
+                inside = u < NU
+                first = tl.load(starts_ptr + u, mask=inside, other=0)
+                base = tl.load(starts_ptr + NU + 1 + u, mask=inside, other=0)  # the unit's first group
+                grp = base + (tok - first) // G
+            else:
+                grp = tok // G
+            moff = row64 * D * NGT + jj[None, :] * NGT + grp[:, None]
+        else:
+            moff = row64 * T * NG + (t0 + tt).to(tl.int64)[:, None] * NG + (jj // G)[None, :]
         s = tl.load(scale_ptr + moff, mask=valid, other=0.0).to(tl.float32)
         o = tl.load(offset_ptr + moff, mask=valid, other=0.0).to(tl.float32)
         y = q.to(tl.float32) * s + o
